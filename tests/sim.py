@@ -1,0 +1,126 @@
+"""A torch-free stand-in for the model runner, for scheduler tests.
+
+It mirrors the runner's bookkeeping from the scheduler's step descriptions
+(new requests in full, running ones as changes) and keeps a fake paged KV cache:
+computing the token at position p writes it into its slot and reads back every
+earlier position through the block table. A wrong block table, a slot that was
+never written or one overwritten by another request shows up as a wrong token
+or an assertion. The "model" is a hash of the tokens read, so outputs depend
+only on the sequence, never on batching.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from travelator.config import SchedulerConfig
+from travelator.engine.kv_cache import KVCacheManager
+from travelator.engine.request import Request
+from travelator.engine.scheduler import IterationScheduler, SampledToken, SchedulerBase
+from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.engine.static_scheduler import StaticScheduler
+from travelator.sampling_params import SamplingParams
+
+VOCAB = 1000
+
+
+@dataclass
+class _State:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+class FakeRunner:
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.states: dict[str, _State] = {}
+        self.cache: dict[int, tuple[str, int, int]] = {}  # slot -> (request, position, token)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        for rid in out.freed_request_ids:
+            self.states.pop(rid, None)
+        for new in out.new_requests:
+            self.states[new.request_id] = _State(
+                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                new.num_computed_tokens)
+        for c in out.cached_requests:
+            s = self.states[c.request_id]
+            s.blocks.extend(c.new_block_ids)
+            assert s.computed == c.num_computed_tokens
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            s = self.states[rid]
+            for pos in range(s.computed, s.computed + n):
+                self.cache[self._slot(s, pos)] = (rid, pos, s.tokens[pos])
+            end = s.computed + n
+            assert end <= len(s.tokens)
+            seen = []
+            for pos in range(end):
+                owner, p, tok = self.cache[self._slot(s, pos)]
+                assert (owner, p) == (rid, pos), "read a slot this request did not write"
+                seen.append(tok)
+            assert seen == s.tokens[:end], "cache content differs from the sequence"
+            s.computed = end
+            if end == len(s.tokens):
+                tok = zlib.crc32(repr(seen).encode()) % VOCAB
+                s.tokens.append(tok)
+                sampled[rid] = SampledToken(tok)
+        return sampled
+
+    def _slot(self, s: _State, pos: int) -> int:
+        return s.blocks[pos // self.bs] * self.bs + pos % self.bs
+
+
+@dataclass
+class Arrival:
+    step: int
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class SimResult:
+    outputs: dict[str, list[int]]
+    first_scheduled: dict[str, int]
+    finished: dict[str, int]
+    steps: int
+    preemptions: int
+    max_tokens_in_step: int
+    max_seqs_in_step: int
+
+
+def make_scheduler(policy: str, num_blocks: int, block_size: int, max_num_seqs: int,
+                   budget: int) -> SchedulerBase:
+    cls = StaticScheduler if policy == "static" else IterationScheduler
+    return cls(SchedulerConfig(policy, max_num_seqs, budget), KVCacheManager(num_blocks, block_size))
+
+
+def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100_000) -> SimResult:
+    runner = FakeRunner(sched.kv.block_size)
+    pending = sorted(arrivals, key=lambda a: a.step)
+    res = SimResult({}, {}, {}, 0, 0, 0, 0)
+    step = 0
+    while pending or sched.has_unfinished():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            sched.add_request(Request(a.request_id, a.prompt, SamplingParams(ignore_eos=True,
+                                      max_tokens=a.max_tokens), a.max_tokens))
+        out = sched.schedule()
+        res.max_tokens_in_step = max(res.max_tokens_in_step, out.total_num_scheduled_tokens)
+        res.max_seqs_in_step = max(res.max_seqs_in_step, len(out.num_scheduled_tokens))
+        for rid in out.num_scheduled_tokens:
+            res.first_scheduled.setdefault(rid, step)
+        sampled = runner.execute(out)
+        for req, _ in sched.update_from_output(out, sampled):
+            if req.status.finished:
+                res.outputs[req.request_id] = list(req.output_token_ids)
+                res.finished[req.request_id] = step
+        sched.kv.check_consistency()
+        step += 1
+        assert step < max_steps, "the simulation did not finish: a hang or a starved request"
+    res.steps = step
+    res.preemptions = sched.num_preemptions
+    return res

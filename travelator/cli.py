@@ -1,0 +1,110 @@
+"""Command line: ``travelator generate | serve | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+# The built-in default: the small trained story model beside a checkout, else random
+# weights of the "tiny" preset, so every command runs with no download.
+_DEFAULT_MODEL_CANDIDATES = ("../shared/models/stories260K.gguf",)
+_FALLBACK_MODEL = "dummy:tiny"
+
+
+def default_model() -> str:
+    env = os.environ.get("TRAVELATOR_MODEL")
+    if env:
+        return env
+    for candidate in _DEFAULT_MODEL_CANDIDATES:
+        if Path(candidate).exists():
+            return candidate
+    return _FALLBACK_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF-layout directory, .gguf file or dummy:<preset> "
+                        "(presets: tiny, llama-50m, llama-250m, llama-1b); default: built-in")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--scheduler", default="iteration", choices=["iteration", "static"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler=args.scheduler, device=args.device, seed=args.seed,
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    model = default_model()
+    print(f"no --model given: using the built-in default {model}", file=sys.stderr)
+    return model
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from travelator import LLM, SamplingParams
+
+    llm = LLM(resolve_model(args), **engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.seed_sampling, stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["Once upon a time"]
+    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        out = result.outputs[0]
+        print(prompt + out.text)
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="travelator", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts, offline")
+    add_engine_args(gen)
+    gen.add_argument("prompt", nargs="*", help='default: "Once upon a time"')
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""LLMEngine: add requests, step, abort. One step = schedule, run the model on the
+flat batch, sample, update requests, detokenise, and report what changed."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from travelator.config import EngineConfig
+from travelator.engine.detokenizer import IncrementalDetokenizer
+from travelator.engine.kv_cache import KVCacheManager, blocks_for
+from travelator.engine.model_runner import ModelRunner
+from travelator.engine.outputs import RequestOutput, TokenLogprob
+from travelator.engine.request import Request, RequestStatus
+from travelator.engine.scheduler import IterationScheduler, SampledToken, SchedulerBase
+from travelator.engine.static_scheduler import StaticScheduler
+from travelator.model.device import pick_device, resolve_dtype
+from travelator.model.loader import open_model
+from travelator.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Share of free memory the KV pool takes when the user gives no size.
+_DEFAULT_KV_MEMORY_SHARE = 0.3
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one step did, for metrics and occupancy plots."""
+
+    num_requests: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decodes: int
+    num_preempted: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    duration_s: float
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once)
+    computed_prompt_tokens: int = 0  # prompt tokens actually computed (recompute included)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, device: str = "auto") -> None:
+        config.validate()
+        self.config = config
+        mc = config.model
+        source = open_model(mc.model, mc.load_format)
+        self.model_name = source.name
+        self.arch = source.arch
+        self.tokenizer = source.tokenizer
+        self.device = pick_device(device)
+        dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device)
+        kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else resolve_dtype(
+            config.cache.kv_cache_dtype, None, self.device)
+        self.max_model_len = self._context_limit()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
+        self.runner = ModelRunner(
+            self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype, device=self.device,
+            max_model_len=self.max_model_len, seed=mc.seed, eos_token_ids=self.eos_token_ids,
+        )
+        self.dtype = dtype
+        block_size = config.cache.block_size
+        num_blocks = self._size_kv_pool(block_size)
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        scheduler_cls = StaticScheduler if config.scheduler.policy == "static" else IterationScheduler
+        self.scheduler: SchedulerBase = scheduler_cls(config.scheduler, self.kv)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.counters = EngineCounters()
+        self.last_step: StepStats | None = None
+        self._ids = itertools.count()
+        logger.info(
+            "model %s (%s, %.1fM parameters, %s) on %s; KV pool %d blocks x %d tokens; context %d",
+            self.model_name, self.arch.family, self.arch.num_parameters / 1e6, dtype,
+            self.device, num_blocks, block_size, self.max_model_len,
+        )
+
+    # ---- set-up --------------------------------------------------------------------
+    def _context_limit(self) -> int:
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window:
+            # Attention here is full; below the window that is exactly the model's own.
+            limit = min(limit, self.arch.sliding_window)
+        requested = self.config.model.max_model_len
+        if requested is not None:
+            if requested < 2:
+                raise ValueError("max_model_len must be at least 2")
+            if requested > limit:
+                raise ValueError(f"max_model_len {requested} exceeds the model's context {limit}")
+            limit = requested
+        return limit
+
+    def _size_kv_pool(self, block_size: int) -> int:
+        cache = self.config.cache
+        per_block = self.runner.kv_bytes_per_block(block_size)
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        elif cache.kv_cache_bytes is not None:
+            num_blocks = cache.kv_cache_bytes // per_block
+        else:
+            wanted = self.config.scheduler.max_num_seqs * blocks_for(self.max_model_len, block_size)
+            affordable = int(_free_memory_bytes(self.device) * _DEFAULT_KV_MEMORY_SHARE) // per_block
+            num_blocks = max(min(wanted, affordable), blocks_for(self.max_model_len, block_size))
+        if num_blocks < 1:
+            raise ValueError("the KV cache size is too small for even one block")
+        capacity = num_blocks * block_size
+        if capacity < self.max_model_len:
+            # Every admitted request must fit alone in the pool, or it could never finish.
+            if self.config.model.max_model_len is not None:
+                raise ValueError(
+                    f"the KV pool holds {capacity} tokens, less than max_model_len "
+                    f"{self.max_model_len}: give it more memory or lower max_model_len"
+                )
+            logger.warning("context capped at %d tokens, what the KV pool holds", capacity)
+            self.max_model_len = capacity
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------
+    def make_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError with a clear message on bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the context is {self.max_model_len} tokens "
+                f"and at least one must be left for the output"
+            )
+        room = self.max_model_len - n
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(
+                f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
+                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens"
+            )
+        request_id = request_id or self.make_request_id()
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+        )
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        self.scheduler.add_request(req)
+        self.counters.prompt_tokens += n
+        return req
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._finish_output(req) for req in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- one step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.runner.execute(out)  # still apply freed ids
+            return []
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as exc:  # a failed step must not take the other requests down
+            logger.error("step failed; failing its %d requests:\n%s",
+                         len(out.num_scheduled_tokens), traceback.format_exc())
+            return self._fail_step(list(out.num_scheduled_tokens), exc)
+        updated = self.scheduler.update_from_output(out, sampled)
+        outputs = [self._token_output(req, tok) for req, tok in updated]
+        self._record_step(out, time.perf_counter() - t0)
+        return outputs
+
+    def _record_step(self, out, duration: float) -> None:
+        c = self.counters
+        c.steps += 1
+        c.preemptions += out.num_preempted
+        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+        total = out.total_num_scheduled_tokens
+        c.computed_prompt_tokens += total - decodes
+        self.last_step = StepStats(
+            num_requests=len(out.num_scheduled_tokens), num_tokens=total,
+            num_prefill_tokens=total - decodes, num_decodes=decodes,
+            num_preempted=out.num_preempted, num_running=self.num_running,
+            num_waiting=self.num_waiting, kv_usage=self.kv.usage, duration_s=duration,
+        )
+
+    def _token_output(self, req: Request, tok: SampledToken) -> RequestOutput:
+        self.counters.generation_tokens += 1
+        detok = self.detokenizers[req.request_id]
+        stop_str = detok.add_tokens([tok.token_id])
+        if stop_str is not None:
+            if req.status.finished:  # it also hit EOS or its length in this very token
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = stop_str
+        logprobs = []
+        if tok.logprob is not None:
+            logprobs.append(TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs or {}))
+        if req.status.finished:
+            return self._finish_output(req, [tok.token_id], logprobs)
+        return self._output(req, [tok.token_id], detok.take_delta(), logprobs)
+
+    def _finish_output(self, req: Request, new_ids: list[int] | None = None,
+                       logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        detok = self.detokenizers.pop(req.request_id)
+        delta = detok.take_delta() + detok.flush()
+        reason = req.status.finish_reason
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        return self._output(req, new_ids or [], delta, logprobs or [], detok.output_text)
+
+    def _output(self, req: Request, new_ids, delta: str, logprobs, text: str | None = None) -> RequestOutput:
+        detok_text = text if text is not None else self.detokenizers[req.request_id].output_text
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            text=detok_text,
+            new_token_ids=new_ids,
+            new_text=delta,
+            new_logprobs=logprobs,
+            finished=req.status.finished,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            num_preemptions=req.num_preemptions,
+            times=req.times,
+        )
+
+    def _fail_step(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        outputs = []
+        for req in done:
+            o = self._finish_output(req)
+            o.error = f"{type(exc).__name__}: {exc}"
+            outputs.append(o)
+        return outputs
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30

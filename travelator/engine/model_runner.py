@@ -1,0 +1,188 @@
+"""The model runner owns every tensor: weights, the paged KV cache, and the flat
+batch of each step. It takes the scheduler's step description and returns the
+sampled tokens.
+
+It keeps its own copy of each running request's tokens and block table, updated
+from the small per-step changes the scheduler sends (and from the tokens it samples
+itself), so a step description never carries whole sequences twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from travelator.engine.scheduler import SampledToken
+from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.model.arch import ModelArch
+from travelator.model.attention import AttentionMetadata, PrefillChunk
+from travelator.model.llama import LlamaModel
+from travelator.model.loader import WeightIterator
+from travelator.model.sampler import SamplingBatch, sample
+from travelator.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    request_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt + output
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled_ids: list[str]  # request ids in logits_indices order
+
+
+class ModelRunner:
+    def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.eos_token_ids = eos_token_ids
+        model = LlamaModel(arch, dtype, max_positions=max_model_len)
+        if weights is None:
+            model.init_dummy_weights(seed)
+        else:
+            model.load_weights(weights())
+        self.model = model.to(device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self.states: dict[str, RunnerRequestState] = {}
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
+        return block_size * self.arch.kv_bytes_per_token(itemsize)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        a = self.arch
+        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            for _ in range(a.num_layers)
+        ]
+        self.block_size = block_size
+
+    # ---- one step ------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        self._apply_changes(out)
+        if out.is_empty:
+            return {}
+        inputs = self._prepare(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampled_ids:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        states = [self.states[rid] for rid in inputs.sampled_ids]
+        batch = SamplingBatch(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s.sampling_params.uses_penalties else []
+                              for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            eos_token_ids=self.eos_token_ids,
+        )
+        result = sample(logits, batch)
+        sampled = {}
+        for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states)):
+            tok = result.token_ids[row]
+            s.token_ids.append(tok)
+            sampled[rid] = SampledToken(
+                tok,
+                result.logprobs[row] if result.logprobs is not None else None,
+                result.top_logprobs[row] if result.top_logprobs is not None else None,
+            )
+        return sampled
+
+    def _apply_changes(self, out: SchedulerOutput) -> None:
+        for rid in out.freed_request_ids:
+            self.states.pop(rid, None)
+        for new in out.new_requests:
+            self.states[new.request_id] = RunnerRequestState(
+                new.request_id,
+                len(new.prompt_token_ids),
+                new.prompt_token_ids + new.output_token_ids,
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for c in out.cached_requests:
+            s = self.states[c.request_id]
+            s.block_ids.extend(c.new_block_ids)
+            s.num_computed_tokens = c.num_computed_tokens
+
+    def _prepare(self, out: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        # Decodes (one query each) first, so their attention is one batched call.
+        items = list(out.num_scheduled_tokens.items())
+        decodes = [(rid, n) for rid, n in items if n == 1]
+        prefills = [(rid, n) for rid, n in items if n != 1]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        logits_indices: list[int] = []
+        sampled_ids: list[str] = []
+        chunks: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        offset = 0
+        for rid, n in ordered:
+            s = self.states[rid]
+            start = s.num_computed_tokens
+            end = start + n
+            assert end <= len(s.token_ids), "scheduled past the known tokens"
+            input_ids.extend(s.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            blocks = np.asarray(s.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_tables.append(s.block_ids[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                table = torch.from_numpy(blocks[: -(-end // bs)]).to(self.device)
+                chunks.append(PrefillChunk(offset, n, start, table))
+            if end == len(s.token_ids):  # reached the end: sample (invariant 5)
+                logits_indices.append(offset + n - 1)
+                sampled_ids.append(rid)
+            offset += n
+
+        dev = self.device
+        decode_block_tables = decode_mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            table = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                table[i, : len(t)] = t
+            decode_block_tables = torch.from_numpy(table).to(dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1))
+            decode_mask = decode_mask[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_tables),
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefills=chunks,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sampled_ids=sampled_ids,
+        )

@@ -1,0 +1,32 @@
+"""What the engine hands back about a request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from travelator.engine.request import RequestTimes
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # all output so far
+    text: str  # all final output text so far
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""  # text released this step (stop-string-safe)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    times: RequestTimes | None = None
+    error: str | None = None

@@ -1,0 +1,118 @@
+"""Request state as the scheduler sees it. Plain Python: no torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from travelator.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, will recompute prompt + outputs
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or context length
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Wall-clock moments in a request's life (time.monotonic seconds)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated.
+
+    Where it stands is one counter: ``num_computed_tokens`` against ``num_tokens``
+    (prompt + output). A fresh prompt, a chunked prompt and a preempted request being
+    recomputed are all "computed < total"; a decoding request has exactly one
+    uncomputed token, the one it sampled last.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_order: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop_token(self) -> bool:
+        """Finish on EOS / stop token / length after a token was appended."""
+        params = self.sampling_params
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if n_out >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

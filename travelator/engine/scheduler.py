@@ -1,0 +1,210 @@
+"""Iteration-level scheduling (Orca's idea): who computes what is decided anew at
+every step. Finished requests leave at once; waiting ones join at the next step.
+
+Plain Python, no torch: the scheduler is tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from travelator.config import SchedulerConfig
+from travelator.engine.kv_cache import KVCacheManager
+from travelator.engine.request import Request, RequestStatus
+from travelator.engine.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+class SchedulerBase:
+    """What every scheduling policy shares: queues, the step update, preemption, abort."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_by_runner: set[str] = set()
+        self._freed: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
+        assert status.finished
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._release(req)
+            done.append(req)
+        return done
+
+    def _release(self, req: Request) -> None:
+        req.times.finished = time.monotonic()
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+        self._forget_in_runner(req.request_id)
+
+    def _forget_in_runner(self, request_id: str) -> None:
+        if request_id in self._known_by_runner:
+            self._known_by_runner.discard(request_id)
+            self._freed.append(request_id)
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks; it recomputes prompt + outputs when it resumes."""
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_in_runner(req.request_id)
+        self.waiting.appendleft(req)
+
+    # ---- one step -----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def _try_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        total = req.num_computed_tokens + num_new_tokens
+        return self.kv.allocate_slots(req.request_id, total) is not None
+
+    def _start_output(self) -> SchedulerOutput:
+        out = SchedulerOutput(freed_request_ids=self._freed)
+        self._freed = []
+        return out
+
+    def _add_to_output(self, out: SchedulerOutput, req: Request, num_new_tokens: int,
+                       known_blocks: int) -> None:
+        """Record that ``req`` computes ``num_new_tokens`` this step.
+
+        ``known_blocks`` is how many of its blocks the runner already knows about.
+        """
+        rid = req.request_id
+        blocks = self.kv.block_ids(rid)
+        if rid in self._known_by_runner:
+            out.cached_requests.append(
+                CachedRequestData(rid, blocks[known_blocks:], req.num_computed_tokens)
+            )
+        else:
+            out.new_requests.append(
+                NewRequestData(
+                    rid,
+                    req.prompt_token_ids,
+                    list(req.output_token_ids),
+                    req.sampling_params,
+                    list(blocks),
+                    req.num_computed_tokens,
+                )
+            )
+            self._known_by_runner.add(rid)
+        out.num_scheduled_tokens[rid] = num_new_tokens
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = time.monotonic()
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[tuple[Request, SampledToken | None]]:
+        """Advance every scheduled request; append sampled tokens; finish those that stop.
+
+        Returns each scheduled request that got a new token, with that token.
+        """
+        now = time.monotonic()
+        updated = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            tok = sampled.get(rid)
+            if tok is None:
+                continue  # a prompt chunk that does not reach the end of the prompt
+            assert req.num_computed_tokens == req.num_tokens
+            req.append_output_token(tok.token_id)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            if req.check_stop_token():
+                self.running.remove(req)
+                self._release(req)
+            updated.append((req, tok))
+        return updated
+
+
+class IterationScheduler(SchedulerBase):
+    """Continuous batching with chunked prefill and preemption by recomputation.
+
+    Per step, within ``max_num_batched_tokens`` and ``max_num_seqs``: running
+    requests first, in admission order (one token each when decoding, else their next
+    prompt chunk), then waiting requests first-come first-served. When the pool is
+    out of blocks, the most recently admitted running request is preempted. No new
+    request is admitted in a step that had to preempt.
+    """
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._start_output()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            assert n > 0, "a running request always has a token to compute"
+            known = len(self.kv.block_ids(req.request_id))
+            while not self._try_allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                self._add_to_output(out, req, n, known)
+                budget -= n
+                i += 1
+        if not preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self._try_allocate(req, n):
+                break  # first-come first-served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_to_output(out, req, n, 0)
+            budget -= n

@@ -1,0 +1,48 @@
+"""The contract between the scheduler and the model runner: what to compute in one step.
+
+Requests the runner has not seen (or that were preempted and dropped) come in full;
+requests it already holds come as small changes, so a step description stays small
+however long the sequences grow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from travelator.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when a preempted request resumes
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Batch order: request id -> number of tokens to compute this step.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests the runner must forget (finished, aborted or preempted since last step).
+    freed_request_ids: list[str] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens

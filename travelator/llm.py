@@ -1,0 +1,155 @@
+"""Offline API: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from travelator.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from travelator.engine.engine import LLMEngine
+from travelator.engine.outputs import RequestOutput, TokenLogprob
+from travelator.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Seconds since the request arrived."""
+
+    queued: float  # until first scheduled
+    first_token: float  # time to first token
+    total: float  # end-to-end
+
+
+@dataclass(slots=True)
+class Completion:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprob] | None
+    timings: RequestTimings | None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion]  # n of them
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 1024,
+        scheduler: str = "iteration",
+        device: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model, dtype, load_format, max_model_len, seed),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes),
+            scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens),
+        )
+        self.engine = LLMEngine(config, device=device)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in prompt order.
+
+        All prompts are validated before any is queued, so one bad prompt fails the
+        call without leaving the others half-run in the engine.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        engine = self.engine
+        for p in params:
+            p.validate()
+        ids: dict[str, tuple[int, int]] = {}
+        added: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                for j in range(p.n):
+                    sub = p if p.n == 1 else _sub_params(p, j)
+                    req = engine.add_request(prompt, sub)
+                    ids[req.request_id] = (i, j)
+                    added.append(req.request_id)
+        except ValueError:
+            engine.abort_request(added)
+            raise
+        results = [
+            GenerationResult(
+                prompts[i] if isinstance(prompts[i], str) else None,
+                engine.scheduler.requests[rid].prompt_token_ids,
+                [None] * params[i].n,  # type: ignore[list-item]
+            )
+            for rid, (i, j) in ids.items() if j == 0
+        ]
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        remaining = set(ids)
+        while remaining:
+            for out in engine.step():
+                if out.request_id not in ids:
+                    continue
+                logprobs[out.request_id].extend(out.new_logprobs)
+                if out.finished:
+                    i, j = ids[out.request_id]
+                    results[i].outputs[j] = _completion(j, out, logprobs[out.request_id], params[i])
+                    remaining.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return results
+
+
+def _sub_params(p: SamplingParams, index: int) -> SamplingParams:
+    """The index-th of n samples: its own seed so the n samples differ but stay reproducible."""
+    from dataclasses import replace
+
+    return replace(p, n=1, seed=None if p.seed is None else p.seed + index)
+
+
+def _completion(index: int, out: RequestOutput, logprobs: list[TokenLogprob],
+                params: SamplingParams) -> Completion:
+    t = out.times
+    timings = None
+    if t is not None and t.finished is not None:
+        timings = RequestTimings(
+            queued=(t.first_scheduled or t.finished) - t.arrival,
+            first_token=(t.first_token or t.finished) - t.arrival,
+            total=t.finished - t.arrival,
+        )
+    return Completion(
+        index, out.text, out.output_token_ids, out.finish_reason, out.stop_reason,
+        logprobs if params.logprobs is not None else None, timings,
+    )

@@ -1,0 +1,124 @@
+"""The shape of a Llama-family model, read from a HF config.json or GGUF metadata,
+plus built-in presets of realistic shapes for random-weight benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelArch:
+    family: str  # "llama", "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + lm_head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            family = cfg.get("model_type")
+            if family not in SUPPORTED_ARCHITECTURES.values():
+                raise ValueError(
+                    f"unsupported architecture {archs or family!r}; supported: "
+                    f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta")
+            or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=family == "qwen2" or cfg.get("attention_bias", False),
+            sliding_window=window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    return dict(scaling, rope_type=kind)
+
+
+# Random-weight presets: realistic shapes so a user can benchmark with no download.
+PRESETS: dict[str, ModelArch] = {
+    # For tests and smoke runs.
+    "tiny": ModelArch("llama", 1024, 128, 352, 2, 4, 2, 32, max_position_embeddings=4096),
+    # ~50M: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1408.
+    "llama-50m": ModelArch("llama", 32000, 512, 1408, 8, 8, 4, 64, max_position_embeddings=4096),
+    # ~250M: hidden 1024, 16 layers, 16 heads, 8 KV heads, intermediate 2816.
+    "llama-250m": ModelArch("llama", 32000, 1024, 2816, 16, 16, 8, 64, max_position_embeddings=4096),
+    # The shape of Llama 3.2 1B (tied embeddings, llama3 rope scaling).
+    "llama-1b": ModelArch(
+        "llama", 128256, 2048, 8192, 16, 32, 8, 64,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True,
+    ),
+}
+
+
+def preset(name: str) -> ModelArch:
+    try:
+        return replace(PRESETS[name], bos_token_id=1, eos_token_ids=(2,))
+    except KeyError:
+        raise ValueError(f"unknown dummy preset {name!r}; choose one of {sorted(PRESETS)}") from None

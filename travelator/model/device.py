@@ -1,0 +1,41 @@
+"""Choosing the device and dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """"auto" keeps a float32 checkpoint in float32 and otherwise prefers bfloat16
+    where the hardware runs it natively (CUDA, CPUs with AVX-512/AMX)."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
+        return _DTYPES[requested]
+    if checkpoint_dtype == "float32":
+        return torch.float32
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32

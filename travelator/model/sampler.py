@@ -1,0 +1,147 @@
+"""Batched sampling: one set of tensor ops for the whole batch, each row with its own
+parameters. The only per-request Python is drawing seeded noise, because a seeded
+request must get the same random numbers whatever else is in its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from travelator.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row parameters of the requests sampled in one step."""
+
+    params: list[SamplingParams]
+    # Tokens already in each sequence (prompt + output) and the output alone, for penalties.
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log-probability of each sampled token
+    top_logprobs: list[dict[int, float]] | None
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """``logits``: [B, V] float32, one row per request in ``batch``."""
+    params = batch.params
+    b, vocab = logits.shape
+    want_logprobs = any(p.logprobs is not None for p in params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+    if any(p.uses_penalties for p in params):
+        logits = _apply_penalties(logits.clone(), batch)
+    if any(p.min_tokens for p in params):
+        logits = _block_eos_before_min_tokens(logits, batch)
+
+    dev = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    if bool(greedy.all()):
+        token_ids = logits.argmax(dim=-1)
+    else:
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+        scaled = logits / temps.unsqueeze(1)
+        scaled = _apply_top_k_top_p_min_p(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+        noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
+        sampled = (probs / noise).argmax(dim=-1)
+        token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    ids = token_ids.tolist()
+    if not want_logprobs:
+        return SamplerOutput(ids, None, None)
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    k = max(p.logprobs or 0 for p in params)
+    tops: list[dict[int, float]] = [{} for _ in range(b)]
+    if k:
+        vals, idx = raw_logprobs.topk(k, dim=-1)
+        vals, idx = vals.tolist(), idx.tolist()
+        for row, p in enumerate(params):
+            n = p.logprobs or 0
+            tops[row] = dict(zip(idx[row][:n], vals[row][:n]))
+    return SamplerOutput(ids, chosen, tops)
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    b, vocab = logits.shape
+    out_counts = _token_counts(batch.output_token_ids, b, vocab)
+    prompt_seen = _token_counts(batch.prompt_token_ids, b, vocab) > 0
+    dev = logits.device
+    out_counts, prompt_seen = out_counts.to(dev), prompt_seen.to(dev)
+    rep = torch.tensor([p.repetition_penalty for p in batch.params], device=dev).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in batch.params], device=dev).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in batch.params], device=dev).unsqueeze(1)
+    # Repetition penalty (CTRL / HF semantics) over prompt and output tokens.
+    seen = prompt_seen | (out_counts > 0)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    # Presence and frequency penalties (OpenAI semantics) over output tokens only.
+    logits = logits - freq * out_counts - pres * (out_counts > 0).float()
+    return logits
+
+
+def _token_counts(seqs: list[list[int]], b: int, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(b, vocab)
+    lengths = [len(s) for s in seqs]
+    if sum(lengths):
+        rows = torch.repeat_interleave(torch.arange(b), torch.tensor(lengths))
+        cols = torch.tensor([t for s in seqs for t in s])
+        counts.index_put_((rows, cols), torch.ones(len(cols)), accumulate=True)
+    return counts
+
+
+def _block_eos_before_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Rows that have not reached min_tokens may not end: EOS and stop tokens get -inf."""
+    logits = logits.clone()
+    for row, p in enumerate(batch.params):
+        if len(batch.output_token_ids[row]) < p.min_tokens:
+            enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(batch.eos_token_ids))
+            if enders:
+                logits[row, sorted(enders)] = float("-inf")
+    return logits
+
+
+def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    b, vocab = logits.shape
+    dev = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev).unsqueeze(0)
+        drop = rank >= top_k.unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _exponential_noise(params: list[SamplingParams], outputs: list[list[int]],
+                       b: int, vocab: int) -> torch.Tensor:
+    noise = torch.empty(b, vocab).exponential_()
+    for row, p in enumerate(params):
+        if p.seed is not None:
+            # Seeded by (seed, index of the token being drawn): the same draw however
+            # the request was batched, chunked or preempted.
+            g = torch.Generator().manual_seed((p.seed * _SEED_MIX + len(outputs[row])) % 2**63)
+            noise[row] = torch.empty(vocab).exponential_(generator=g)
+    return noise.clamp_min_(1e-10)

@@ -1,0 +1,422 @@
+"""Tokenizers for every model source, all backed by the Rust `tokenizers` library.
+
+Three sources:
+
+- a Hugging Face model directory (`tokenizer.json` + `tokenizer_config.json`),
+- the vocabulary embedded in a GGUF file (llama.cpp's SentencePiece-BPE "llama" vocab),
+- a synthetic byte-level vocabulary for random-weight ("dummy") models.
+
+Chat prompts: `apply_chat_template` renders text that already holds every special token the
+model needs (a template that wants BOS writes `{{ bos_token }}` itself, and the built-in fallback
+does the same), so the rendered text must be encoded with `encode(text, add_special_tokens=False)`,
+exactly like transformers' `apply_chat_template(..., tokenize=True)`. `encode_chat` does both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, normalizers, processors
+from tokenizers import Tokenizer as RustTokenizer
+
+if TYPE_CHECKING:
+    import gguf
+
+__all__ = ["Tokenizer", "FALLBACK_CHAT_TEMPLATE"]
+
+SPIECE_UNDERLINE = "\u2581"
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+# llama.cpp token types (`tokenizer.ggml.token_type`).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+#: Used when a model ships no chat template. Each message becomes `<|role|>\ncontent\n`; the
+#: generation prompt is `<|assistant|>\n`. `bos_token` is written first when the model adds BOS
+#: to plain text (`add_bos_token`), so chat text is always encoded with `add_special_tokens=False`.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% if add_bos_token and bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the special ids and chat template of one model."""
+
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    chat_template: str | None
+    add_bos_token: bool
+
+    def __init__(
+        self,
+        tokenizer: RustTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        extra_template_vars: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Wrap a ready `tokenizers.Tokenizer`; prefer the `from_*` constructors."""
+        self._tk = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
+        eos_ids = set(eos_token_ids)
+        if eos_token is not None and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
+            eos_ids.add(eos_id)
+        self.eos_token_ids = frozenset(eos_ids)
+        self.chat_template = chat_template
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special
+        )
+        # Byte-fallback pieces (`<0xNN>`): the decoder turns a run of them into text all at once.
+        self.byte_token_ids: frozenset[int] = frozenset()
+        if _uses_byte_fallback(tokenizer):
+            self.byte_token_ids = frozenset(
+                i for tok, i in tokenizer.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.match(tok)
+            )
+        self.add_bos_token = self._probe_adds_bos()
+        self._template_vars = dict(extra_template_vars or {})
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | Path) -> Tokenizer:
+        """Load a Hugging Face layout: `tokenizer.json`, `tokenizer_config.json` and, when present,
+        `generation_config.json` / `config.json` (extra EOS ids) and `chat_template.jinja`/`.json`.
+
+        BOS/EOS on `encode(add_special_tokens=True)` are whatever the `tokenizer.json`
+        post-processor adds, as in transformers v5 `AutoTokenizer` (which ignores
+        `add_bos_token`/`add_eos_token` in `tokenizer_config.json` when a `tokenizer.json` exists);
+        `self.add_bos_token` reports the outcome.
+        """
+        path = Path(path)
+        tk = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen_cfg = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        bos = _token_content(cfg.get("bos_token"))
+        eos = _token_content(cfg.get("eos_token"))
+        if bos is None:
+            bos = _id_to_token(tk, gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id")))
+        eos_ids: set[int] = set()
+        for source in (gen_cfg, model_cfg):
+            eos_ids.update(_as_id_list(source.get("eos_token_id")))
+        if eos is None and eos_ids:
+            eos = _id_to_token(tk, min(eos_ids))
+        eos_ids = {i for i in eos_ids if 0 <= i < tk.get_vocab_size(with_added_tokens=True)}
+
+        extra = {k: _token_content(cfg.get(k)) for k in ("unk_token", "pad_token")}
+        return cls(
+            tk,
+            bos_token=bos,
+            eos_token=eos,
+            eos_token_ids=sorted(eos_ids),
+            chat_template=_hf_chat_template(path, cfg),
+            extra_template_vars={k: v for k, v in extra.items() if v is not None},
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Build the tokenizer of a llama-vocab (SentencePiece-BPE) GGUF file, the way transformers
+        converts a Llama SentencePiece model: BPE with byte fallback, merges derived from the vocab
+        ordered by the score of the merged piece, `Prepend("▁")` + `Replace(" ", "▁")` normalizer,
+        and a `▁`->space / byte-fallback / fuse / strip-one-leading-space decoder.
+        """
+        fields = reader.fields
+        kind = _gguf_str(reader, "tokenizer.ggml.model")
+        if kind != "llama":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only 'llama' (SentencePiece) is supported")
+        tokens = _gguf_str_array(reader, "tokenizer.ggml.tokens")
+        n = len(tokens)
+        scores = _gguf_num_array(reader, "tokenizer.ggml.scores") or [0.0] * n
+        types = [int(t) for t in _gguf_num_array(reader, "tokenizer.ggml.token_type")] or [_NORMAL] * n
+
+        def special_id(key: str) -> int | None:
+            value = _gguf_scalar(reader, f"tokenizer.ggml.{key}")
+            return int(value) if value is not None and 0 <= int(value) < n else None
+
+        bos_id, eos_id, unk_id = special_id("bos_token_id"), special_id("eos_token_id"), special_id("unknown_token_id")
+        add_bos = bool(_gguf_scalar(reader, "tokenizer.ggml.add_bos_token", True))
+        add_eos = bool(_gguf_scalar(reader, "tokenizer.ggml.add_eos_token", False))
+        add_prefix = bool(_gguf_scalar(reader, "tokenizer.ggml.add_space_prefix", True))
+
+        vocab = {tok: i for i, tok in reversed(list(enumerate(tokens)))}  # first id wins on duplicates
+        mergeable = {tok for tok, t in zip(tokens, types) if t in (_NORMAL, _USER_DEFINED, 0)}
+        merges = _merges_from_scores(tokens, scores, mergeable, vocab)
+        unk = tokens[unk_id] if unk_id is not None else None
+        tk = RustTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        tk.normalizer = (
+            normalizers.Sequence([normalizers.Prepend(SPIECE_UNDERLINE), normalizers.Replace(" ", SPIECE_UNDERLINE)])
+            if add_prefix
+            else normalizers.Replace(" ", SPIECE_UNDERLINE)
+        )
+        steps = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if add_prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+        tk.decoder = decoders.Sequence(steps)
+        tk.add_special_tokens(
+            [
+                AddedToken(tok, special=True, normalized=False)
+                for tok, t in zip(tokens, types)
+                if t in (_CONTROL, _UNKNOWN)
+            ]
+        )
+        user = [AddedToken(tok, special=False, normalized=False) for tok, t in zip(tokens, types) if t == _USER_DEFINED]
+        if user:
+            tk.add_tokens(user)
+        bos = tokens[bos_id] if bos_id is not None else None
+        eos = tokens[eos_id] if eos_id is not None else None
+        tk.post_processor = _template_processor(tk, bos if add_bos else None, eos if add_eos else None)
+        # llama.cpp also ends generation on end-of-turn / end-of-message tokens.
+        extra_eos = [i for key in ("eot_token_id", "eom_token_id") if (i := special_id(key)) is not None]
+        chat_template = _gguf_str(reader, "tokenizer.chat_template") if "tokenizer.chat_template" in fields else None
+        return cls(
+            tk,
+            bos_token=bos,
+            eos_token=eos,
+            eos_token_ids=extra_eos,
+            chat_template=chat_template,
+            extra_template_vars={"unk_token": unk} if unk is not None else None,
+        )
+
+    @classmethod
+    def byte_level(cls, vocab_size: int) -> Tokenizer:
+        """A tokenizer for random-weight models without a tokenizer file.
+
+        Ids: 0 `<unk>`, 1 `<s>` (BOS), 2 `</s>` (EOS), 3..258 the 256 bytes (`<0x00>`..`<0xFF>`);
+        every id from 259 to `vocab_size - 1` decodes to the placeholder word `" w<id>"`. Text
+        encodes to its UTF-8 bytes (any text round-trips). With `vocab_size < 259` the missing
+        byte tokens encode as `<unk>`.
+        """
+        if vocab_size < 3:
+            raise ValueError(f"byte_level needs vocab_size >= 3, got {vocab_size}")
+        pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        pieces += [f"{SPIECE_UNDERLINE}w{i}" for i in range(len(pieces), vocab_size)]
+        vocab = {tok: i for i, tok in enumerate(pieces[:vocab_size])}
+        tk = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+        tk.decoder = decoders.Sequence(
+            [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+        tk.post_processor = _template_processor(tk, "<s>", None)
+        return cls(tk, bos_token="<s>", eos_token="</s>", extra_template_vars={"unk_token": "<unk>"})
+
+    # ------------------------------------------------------------------ text <-> ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. `add_special_tokens` adds BOS/EOS as the model's post-processor
+        says; use `False` for rendered chat prompts, which already contain them."""
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids the vocab does not know are skipped."""
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocab piece of one id (e.g. `'▁the'`, `'<0x0A>'`), or None."""
+        return self._tk.id_to_token(token_id)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any
+    ) -> str:
+        """Render `messages` with the model's jinja chat template, like transformers does
+        (sandboxed, `trim_blocks`/`lstrip_blocks`, `raise_exception`, `bos_token`/`eos_token`).
+
+        Without a model template, `FALLBACK_CHAT_TEMPLATE` is used: `<|role|>\\ncontent\\n` per
+        message, then `<|assistant|>\\n`, preceded by `bos_token` when the model adds BOS.
+        Encode the result with `encode(text, add_special_tokens=False)` (or call `encode_chat`).
+        """
+        source = self.chat_template if self.chat_template is not None else FALLBACK_CHAT_TEMPLATE
+        template = self._compiled.get(source)
+        if template is None:
+            template = self._compiled[source] = _compile_template(source)
+        context = {
+            **self._template_vars,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "add_bos_token": self.add_bos_token,
+            **template_vars,
+        }
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars: Any) -> list[int]:
+        """`encode(apply_chat_template(...), add_special_tokens=False)`: no double BOS."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_vars)
+        return self.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def backend(self) -> RustTokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._tk
+
+    def _probe_adds_bos(self) -> bool:
+        if self.bos_token_id is None:
+            return False
+        with_special = self._tk.encode("a", add_special_tokens=True).ids
+        return bool(with_special) and with_special[0] == self.bos_token_id and (
+            self._tk.encode("a", add_special_tokens=False).ids[:1] != [self.bos_token_id]
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "
+            f"eos_token_ids={sorted(self.eos_token_ids)}, add_bos_token={self.add_bos_token})"
+        )
+
+
+# ---------------------------------------------------------------------- module helpers
+
+
+def _uses_byte_fallback(tk: RustTokenizer) -> bool:
+    return bool(json.loads(tk.to_str()).get("model", {}).get("byte_fallback", False))
+
+
+def _template_processor(tk: RustTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
+    """`[bos] $A [eos]` (and the transformers-style pair form), like `update_post_processor`."""
+    bos = bos if bos is not None and tk.token_to_id(bos) is not None else None
+    eos = eos if eos is not None and tk.token_to_id(eos) is not None else None
+    b0, e0 = (f"{bos}:0 " if bos else ""), (f" {eos}:0" if eos else "")
+    b1, e1 = (f" {bos}:1" if bos else ""), (f" {eos}:1" if eos else "")
+    single = f"{b0}$A:0{e0}"
+    specials = [(t, tk.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    return processors.TemplateProcessing(single=single, pair=f"{single}{b1} $B:1{e1}", special_tokens=specials)
+
+
+def _merges_from_scores(
+    tokens: list[str], scores: Sequence[float], mergeable: set[str], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocab: every split of a piece into two known pieces,
+    best merged-piece score first (ties ordered like transformers' `generate_merges`)."""
+    found = []
+    for merged_id, piece in enumerate(tokens):
+        if piece not in mergeable or vocab.get(piece) != merged_id:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                key = (-scores[merged_id], -len(left), -len(right), merged_id, vocab[left], vocab[right])
+                found.append((key, left, right))
+    found.sort(key=lambda item: item[0])
+    return [(left, right) for _, left, right in found]
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox transformers uses."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        from datetime import datetime
+
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token given as a string or as an AddedToken dict (`{"content": ...}`)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _id_to_token(tk: RustTokenizer, token_id: Any) -> str | None:
+    ids = _as_id_list(token_id)
+    return tk.id_to_token(ids[0]) if ids else None
+
+
+def _hf_chat_template(path: Path, cfg: dict) -> str | None:
+    """The default chat template, looked up like transformers: `chat_template.jinja`, else
+    `tokenizer_config.json["chat_template"]` (a string, or a list of named templates: "default"),
+    else the legacy `chat_template.json`."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if isinstance(template, str):
+        return template
+    template = _read_json(path / "chat_template.json").get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _gguf_field(reader: gguf.GGUFReader, key: str) -> Any:
+    return reader.fields.get(key)
+
+
+def _gguf_str(reader: gguf.GGUFReader, key: str) -> str | None:
+    """A GGUF string field: the bytes live in `field.parts[field.data[0]]`."""
+    field = _gguf_field(reader, key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def _gguf_str_array(reader: gguf.GGUFReader, key: str) -> list[str]:
+    field = _gguf_field(reader, key)
+    if field is None:
+        raise ValueError(f"GGUF file has no {key!r}")
+    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+
+
+def _gguf_num_array(reader: gguf.GGUFReader, key: str) -> list:
+    field = _gguf_field(reader, key)
+    if field is None:
+        return []
+    return [field.parts[i][0].item() for i in field.data]
+
+
+def _gguf_scalar(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = _gguf_field(reader, key)
+    if field is None:
+        return default
+    return field.parts[field.data[0]][0].item()
