@@ -67,10 +67,14 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
         extra_template_vars: Mapping[str, Any] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
-        """Wrap a ready `tokenizers.Tokenizer`; prefer the `from_*` constructors."""
+        """Wrap a ready `tokenizers.Tokenizer`; prefer the `from_*` constructors. A `vocab_size`
+        below the backend's makes `encode` map the ids above it to the unknown token (id 0)."""
         self._tk = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        backend_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = backend_size if vocab_size is None else vocab_size
+        self._encode_limit = self.vocab_size if self.vocab_size < backend_size else None
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
@@ -208,21 +212,28 @@ class Tokenizer:
             raise ValueError(f"byte_level needs vocab_size >= 3, got {vocab_size}")
         pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
         pieces += [f"{SPIECE_UNDERLINE}w{i}" for i in range(len(pieces), vocab_size)]
-        vocab = {tok: i for i, tok in enumerate(pieces[:vocab_size])}
+        vocab = {tok: i for i, tok in enumerate(pieces)}
         tk = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
         tk.decoder = decoders.Sequence(
             [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
         )
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
         tk.post_processor = _template_processor(tk, "<s>", None)
-        return cls(tk, bos_token="<s>", eos_token="</s>", extra_template_vars={"unk_token": "<unk>"})
+        # Below 259 ids the backend keeps all byte pieces (an unknown byte in the middle of a byte
+        # fallback would be reordered by `tokenizers`); `encode` maps ids >= vocab_size to <unk>.
+        return cls(
+            tk, bos_token="<s>", eos_token="</s>", extra_template_vars={"unk_token": "<unk>"}, vocab_size=vocab_size
+        )
 
     # ------------------------------------------------------------------ text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. `add_special_tokens` adds BOS/EOS as the model's post-processor
         says; use `False` for rendered chat prompts, which already contain them."""
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        if self._encode_limit is not None:
+            ids = [i if i < self._encode_limit else 0 for i in ids]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids the vocab does not know are skipped."""
@@ -288,7 +299,7 @@ class Tokenizer:
 
 
 def _uses_byte_fallback(tk: RustTokenizer) -> bool:
-    return bool(json.loads(tk.to_str()).get("model", {}).get("byte_fallback", False))
+    return bool(getattr(tk.model, "byte_fallback", False))
 
 
 def _template_processor(tk: RustTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:

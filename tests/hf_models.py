@@ -1,0 +1,75 @@
+"""Tiny random-init checkpoints in Hugging Face layout, built with transformers itself.
+
+``initializer_range=0.5`` gives logits wide margins, so a greedy mismatch means a
+bug rather than a float rounding difference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+VOCAB = 300
+
+
+def _save_tokenizer(path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def build_checkpoint(path: Path, family: str, **overrides) -> Path:
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    model = cls[1](cls[0](**common)).eval()
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def load_reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of one request alone, through transformers' own generate."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every position of ``tokens``."""
+    logits = model(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)

@@ -1,0 +1,97 @@
+"""Bad input gives a clear error and leaves the engine usable."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hf_models import build_checkpoint
+from paths import STORIES
+from travelator import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(STORIES), dtype="float32", max_model_len=64)
+
+
+def still_works(llm: LLM) -> None:
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert out[0].text == ", there was a little"
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    still_works(llm)
+
+
+def test_prompt_longer_than_context(llm):
+    with pytest.raises(ValueError, match=r"70 tokens.*context is 64"):
+        llm.generate([[1] + [300] * 69], SamplingParams())
+    with pytest.raises(ValueError, match="more than the context"):
+        llm.generate("Once upon a time", SamplingParams(max_tokens=64))
+    still_works(llm)
+
+
+def test_one_bad_prompt_fails_the_call_and_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError):
+        llm.generate(["Once upon a time", ""], SamplingParams(max_tokens=5))
+    still_works(llm)
+
+
+def test_bad_token_ids(llm):
+    with pytest.raises(ValueError, match=r"\[0, 512\)"):
+        llm.generate([[1, 512]], SamplingParams())
+    still_works(llm)
+
+
+@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1},
+                                {"top_p": 0}, {"n": 0}, {"logprobs": 50}])
+def test_bad_sampling_params(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="unknown dummy preset"):
+        LLM("dummy:nope")
+
+
+def test_corrupt_safetensors(tmp_path):
+    path = build_checkpoint(tmp_path / "m", "llama")
+    (path / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(ValueError, match="could not read weights file"):
+        LLM(str(path))
+
+
+def test_truncated_safetensors_tensor(tmp_path):
+    path = build_checkpoint(tmp_path / "m", "llama")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="could not read weights file"):
+        LLM(str(path))
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(STORIES.read_bytes()[:4096])
+    with pytest.raises(ValueError, match="could not read GGUF"):
+        LLM(str(bad))
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="could not read GGUF"):
+        LLM(str(bad))
+
+
+def test_kv_pool_smaller_than_context_is_refused():
+    with pytest.raises(ValueError, match="KV pool holds"):
+        LLM(str(STORIES), max_model_len=256, block_size=16, num_kv_blocks=4)

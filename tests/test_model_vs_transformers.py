@@ -1,0 +1,119 @@
+"""travelator against transformers on tiny random-init Llama, Qwen2 and Mistral models:
+logits and greedy tokens, alone and mixed in batches with staggered arrivals,
+chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_models import build_checkpoint, load_reference, reference_greedy, reference_logprobs
+from travelator import LLM, SamplingParams
+
+FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {"sliding_window": 4096},
+    # Llama 3 style: tied embeddings and llama3 rope scaling.
+    "llama3": {"tie_word_embeddings": True, "rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    name = request.param
+    family = "llama" if name == "llama3" else name
+    path = build_checkpoint(tmp_path_factory.mktemp(name), family, **FAMILIES[name])
+    return path, load_reference(path)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 300) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_logprobs_match(checkpoint):
+    path, ref = checkpoint
+    llm = LLM(str(path), dtype="float32")
+    prompt = prompts(1, seed=1, lo=40, hi=40)[0]
+    result = llm.generate([prompt], greedy(8, logprobs=5), use_tqdm=False)[0].outputs[0]
+    ref_lp = reference_logprobs(ref, prompt + result.token_ids)
+    for i, entry in enumerate(result.logprobs):
+        row = ref_lp[len(prompt) - 1 + i]
+        assert entry.token_id == int(row.argmax())
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4)
+        top_ids = sorted(entry.top_logprobs, key=entry.top_logprobs.get, reverse=True)
+        assert top_ids == row.topk(5).indices.tolist()
+        for tok, lp in entry.top_logprobs.items():
+            assert lp == pytest.approx(float(row[tok]), abs=1e-4)
+
+
+def run_staggered(llm: LLM, reqs: list[tuple[int, list[int], int]]) -> dict[str, list[int]]:
+    """Add each (arrival step, prompt, max_tokens) at its step; return outputs by index."""
+    engine = llm.engine
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
+    ids: dict[str, int] = {}
+    results: dict[int, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, m) = pending.pop(0)
+            ids[engine.add_request(prompt, greedy(m)).request_id] = i
+        for out in engine.step():
+            if out.finished:
+                assert out.finish_reason == "length"
+                results[ids[out.request_id]] = out.output_token_ids
+        step += 1
+        assert step < 10_000
+    engine.kv.check_consistency()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return results
+
+
+def check_against_reference(ref, llm: LLM, n: int, seed: int) -> LLM:
+    rng = random.Random(seed)
+    reqs = [(rng.randint(0, 12), p, rng.randint(1, 24)) for p in prompts(n, seed)]
+    got = run_staggered(llm, reqs)
+    for i, (_, prompt, m) in enumerate(reqs):
+        assert got[i] == reference_greedy(ref, prompt, m), f"request {i} differs"
+    return llm
+
+
+def test_staggered_batch_matches_alone(checkpoint):
+    path, ref = checkpoint
+    check_against_reference(ref, LLM(str(path), dtype="float32"), n=10, seed=2)
+
+
+def test_chunked_prefill_matches(checkpoint):
+    path, ref = checkpoint
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7)
+    check_against_reference(ref, llm, n=9, seed=3)
+    assert llm.engine.counters.steps > 0
+
+
+def test_preemption_matches(checkpoint):
+    path, ref = checkpoint
+    # 12 blocks of 8 tokens: the longest request (61 + 24 tokens) fits alone, the
+    # batch does not, so requests are preempted and recomputed.
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=12)
+    check_against_reference(ref, llm, n=10, seed=4)
+    assert llm.engine.counters.preemptions > 0
+
+
+def test_bfloat16_runs_close_to_reference(checkpoint):
+    path, ref = checkpoint
+    llm = LLM(str(path), dtype="bfloat16")
+    prompt = prompts(1, seed=5, lo=30, hi=30)[0]
+    out = llm.generate([prompt], greedy(1, logprobs=1), use_tqdm=False)[0].outputs[0]
+    ref_lp = reference_logprobs(ref, prompt)[-1]
+    # bfloat16 keeps ~3 significant digits; the top token's log-probability stays close.
+    assert out.logprobs[0].logprob == pytest.approx(float(ref_lp[out.token_ids[0]]), abs=0.15)
+    assert torch.isfinite(torch.tensor(out.logprobs[0].logprob))
