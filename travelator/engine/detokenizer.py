@@ -93,10 +93,9 @@ class IncrementalDetokenizer:
             self._note(i, self._ids[i])
 
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        if new_text.startswith(self._prefix_text):
-            delta = new_text[len(self._prefix_text) :]
-        else:  # only when the prompt context ends mid-character; keep the length-based diff
-            delta = new_text[len(self._prefix_text) :] if len(new_text) > len(self._prefix_text) else ""
+        # _prefix_text is a prefix of new_text, except when a prompt context ends mid-character
+        # (then this is a length-based diff).
+        delta = new_text[len(self._prefix_text) :]
         if self._tail_is_byte or delta.endswith(_REPLACEMENT):
             self._tail = delta  # provisional: later ids may still change it
         else:

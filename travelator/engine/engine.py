@@ -135,14 +135,17 @@ class LLMEngine:
     def make_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def add_request(
+    def make_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError with a clear message on bad input."""
+        """Validate and tokenise; changes no engine state, so any thread may call it.
+
+        Raises ValueError with a clear message on bad input.
+        """
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -169,22 +172,37 @@ class LLMEngine:
                 f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
                 f"{n + max_tokens}, more than the context of {self.max_model_len} tokens"
             )
-        request_id = request_id or self.make_request_id()
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(
-            request_id=request_id,
+        return Request(
+            request_id=request_id or self.make_request_id(),
             prompt_token_ids=token_ids,
             sampling_params=params,
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
         )
-        self.detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request made by make_request (on the thread that steps the engine)."""
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        params = req.sampling_params
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, prompt_token_ids=req.prompt_token_ids,
         )
         self.scheduler.add_request(req)
-        self.counters.prompt_tokens += n
+        self.counters.prompt_tokens += req.num_prompt_tokens
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError with a clear message on bad input."""
+        req = self.make_request(prompt, params, request_id, priority)
+        self.enqueue(req)
         return req
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
