@@ -255,7 +255,10 @@ class LLMEngine:
     def _token_output(self, req: Request, tok: SampledToken) -> RequestOutput:
         self.counters.generation_tokens += 1
         detok = self.detokenizers[req.request_id]
-        stop_str = detok.add_tokens([tok.token_id])
+        # A token that ended the request (EOS, stop token) is not part of the text.
+        ended_by_token = req.status == RequestStatus.FINISHED_STOPPED and not (
+            req.sampling_params.include_stop_str_in_output and req.stop_reason is not None)
+        stop_str = None if ended_by_token else detok.add_tokens([tok.token_id])
         if stop_str is not None:
             if req.status.finished:  # it also hit EOS or its length in this very token
                 req.status = RequestStatus.FINISHED_STOPPED
