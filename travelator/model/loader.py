@@ -6,6 +6,7 @@ the llama architecture, or ``dummy:<preset>`` (random weights of a built-in shap
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ import torch
 
 from travelator.model.arch import ModelArch, preset
 from travelator.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 WeightIterator = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -66,7 +69,12 @@ def _open_hf_dir(path: Path) -> ModelSource:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    tokenizer = Tokenizer.from_pretrained_dir(path)
+    if (path / "tokenizer.json").exists():
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    else:
+        # Token-id prompts still work; text is rendered byte-wise.
+        logger.warning("%s has no tokenizer.json: using a byte-level tokenizer", path)
+        tokenizer = Tokenizer.byte_level(arch.vocab_size)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     return ModelSource(str(path), arch, tokenizer, lambda: _iter_safetensors(files), dtype)
 
