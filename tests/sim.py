@@ -5,7 +5,8 @@ It mirrors the runner's bookkeeping from the scheduler's step descriptions
 computing the token at position p writes it into its slot and reads back every
 earlier position through the block table. A wrong block table, a slot that was
 never written or one overwritten by another request shows up as a wrong token
-or an assertion. The "model" is a hash of the tokens read, so outputs depend
+or an assertion. With prefix caching a request reads slots another request wrote;
+they must hold exactly its own tokens. The "model" is a hash of the tokens read, so outputs depend
 only on the sequence, never on batching.
 """
 
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
 from travelator.engine.request import Request
-from travelator.engine.scheduler import IterationScheduler, SampledToken, SchedulerBase
+from travelator.engine.scheduler import (IterationScheduler, PriorityScheduler, SampledToken,
+                                         SchedulerBase)
 from travelator.engine.scheduler_output import SchedulerOutput
 from travelator.engine.static_scheduler import StaticScheduler
 from travelator.sampling_params import SamplingParams
@@ -36,7 +38,7 @@ class FakeRunner:
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
         self.states: dict[str, _State] = {}
-        self.cache: dict[int, tuple[str, int, int]] = {}  # slot -> (request, position, token)
+        self.cache: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         for rid in out.freed_request_ids:
@@ -53,13 +55,13 @@ class FakeRunner:
         for rid, n in out.num_scheduled_tokens.items():
             s = self.states[rid]
             for pos in range(s.computed, s.computed + n):
-                self.cache[self._slot(s, pos)] = (rid, pos, s.tokens[pos])
+                self.cache[self._slot(s, pos)] = (pos, s.tokens[pos])
             end = s.computed + n
             assert end <= len(s.tokens)
             seen = []
             for pos in range(end):
-                owner, p, tok = self.cache[self._slot(s, pos)]
-                assert (owner, p) == (rid, pos), "read a slot this request did not write"
+                p, tok = self.cache[self._slot(s, pos)]
+                assert p == pos, "read a slot written for another position"
                 seen.append(tok)
             assert seen == s.tokens[:end], "cache content differs from the sequence"
             s.computed = end
@@ -79,6 +81,7 @@ class Arrival:
     request_id: str
     prompt: list[int]
     max_tokens: int
+    priority: int = 0
 
 
 @dataclass
@@ -93,9 +96,13 @@ class SimResult:
 
 
 def make_scheduler(policy: str, num_blocks: int, block_size: int, max_num_seqs: int,
-                   budget: int) -> SchedulerBase:
-    cls = StaticScheduler if policy == "static" else IterationScheduler
-    return cls(SchedulerConfig(policy, max_num_seqs, budget), KVCacheManager(num_blocks, block_size))
+                   budget: int, prefix_caching: bool = False, order: str = "fcfs") -> SchedulerBase:
+    if policy == "static":
+        cls = StaticScheduler
+    else:
+        cls = PriorityScheduler if order == "priority" else IterationScheduler
+    return cls(SchedulerConfig(policy, max_num_seqs, budget, order=order),
+               KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
 def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100_000) -> SimResult:
@@ -107,7 +114,7 @@ def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100
         while pending and pending[0].step <= step:
             a = pending.pop(0)
             sched.add_request(Request(a.request_id, a.prompt, SamplingParams(ignore_eos=True,
-                                      max_tokens=a.max_tokens), a.max_tokens))
+                                      max_tokens=a.max_tokens), a.max_tokens, priority=a.priority))
         out = sched.schedule()
         res.max_tokens_in_step = max(res.max_tokens_in_step, out.total_num_scheduled_tokens)
         res.max_seqs_in_step = max(res.max_seqs_in_step, len(out.num_scheduled_tokens))

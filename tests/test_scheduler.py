@@ -82,19 +82,28 @@ request_st = st.tuples(
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
     spare_blocks=st.integers(0, 20),
-    policy=st.sampled_from(["iteration", "static"]),
+    policy=st.sampled_from(["iteration", "static", "priority"]),
+    prefix_caching=st.booleans(),
+    shared_prefix=st.integers(0, 24),
 )
-def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, policy):
-    arrivals = [Arrival(s, f"r{i}", [(i * 31 + j) % 97 for j in range(p)], m)
+def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, policy,
+                          prefix_caching, shared_prefix):
+    # Prompts share their first `shared_prefix` tokens, so prefix caching has hits.
+    arrivals = [Arrival(s, f"r{i}", ([5] * shared_prefix + [(i * 31 + j) % 97 for j in range(p)])[:max(p, 1)], m,
+                        priority=i % 3)
                 for i, (s, p, m) in enumerate(reqs)]
+    reqs = [(a.step, len(a.prompt), a.max_tokens) for a in arrivals]
     # The smallest pool that still holds the longest request alone, plus some slack.
     longest = max(p + m for _, p, m in reqs)
     num_blocks = -(-longest // block_size) + spare_blocks
-    sched = make_scheduler(policy, num_blocks, block_size, max_num_seqs, budget)
+    order = "priority" if policy == "priority" else "fcfs"
+    sched = make_scheduler("static" if policy == "static" else "iteration", num_blocks, block_size,
+                           max_num_seqs, budget, prefix_caching=prefix_caching, order=order)
     res = simulate(sched, arrivals)
     assert res.max_tokens_in_step <= budget
     assert res.max_seqs_in_step <= max_num_seqs
     assert sched.kv.num_free_blocks == num_blocks  # every block back in the pool
+    sched.kv.check_consistency()
     assert set(res.outputs) == {a.request_id for a in arrivals}  # every request finished
     assert all(len(res.outputs[a.request_id]) == a.max_tokens for a in arrivals)
     unlimited = simulate(make_scheduler("iteration", 10_000, block_size, 64, 10_000), arrivals)

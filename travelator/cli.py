@@ -37,7 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--scheduler", default="iteration", choices=["iteration", "static"])
+    g.add_argument("--scheduler", default="iteration", choices=["iteration", "static"],
+                   help="iteration-level (continuous) batching or the static baseline")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: first come first served; priority: lower request priority first, "
+                        "and the lowest-priority latest request is preempted first")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
 
@@ -48,7 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduler=args.scheduler, device=args.device, seed=args.seed,
+        scheduler=args.scheduler, scheduling_order=args.scheduling_policy,
+        enable_prefix_caching=not args.no_prefix_caching, device=args.device, seed=args.seed,
     )
 
 
@@ -77,6 +83,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from travelator import LLM
+    from travelator.engine.async_engine import AsyncEngine
+    from travelator.server.app import build_app
+    from travelator.server.run import run_server
+    from travelator.server.settings import ServerSettings
+
+    model = resolve_model(args)
+    settings = ServerSettings(
+        served_model_names=args.served_model_name or [model],
+        api_key=args.api_key if args.api_key is not None else os.environ.get("TRAVELATOR_API_KEY"),
+        max_waiting=args.max_waiting, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    settings.validate()
+    llm = LLM(model, **engine_kwargs(args))
+    app = build_app(AsyncEngine(llm.engine), settings)
+    auth = "API key required" if settings.api_key else "no API key (use --api-key to require one)"
+    print(f"serving {', '.join(settings.served_model_names)} on http://{args.host}:{args.port}/v1 "
+          f"(context {llm.engine.max_model_len} tokens; {auth})", file=sys.stderr, flush=True)
+    return run_server(app, args.host, args.port, log_level=args.log_level.lower(),
+                      access_log=args.access_log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="travelator", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -93,6 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (default: $TRAVELATOR_API_KEY)")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model names clients may ask for (default: the --model value)")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="requests allowed to wait for the engine; past it 503 (default 256)")
+    srv.add_argument("--max-n", type=int, default=16, help="most choices per prompt (default 16)")
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                     help="largest request body; past it 413 (default 4 MiB)")
+    srv.add_argument("--shutdown-grace", type=float, default=10.0,
+                     help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SchedulerPolicy = Literal["iteration", "static"]
+SchedulingOrder = Literal["fcfs", "priority"]
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class CacheConfig:
     num_blocks: int | None = None  # exact pool size; wins over kv_cache_bytes
     kv_cache_bytes: int | None = None  # default: a share of free memory, see engine
     kv_cache_dtype: str = "auto"  # "auto" follows the model dtype
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -38,10 +40,18 @@ class SchedulerConfig:
     policy: SchedulerPolicy = "iteration"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
+    order: SchedulingOrder = "fcfs"  # "priority": lower Request.priority first
+    max_overtakes: int = 16  # times a waiting request that does not fit may be passed
 
     def validate(self) -> None:
         if self.policy not in ("iteration", "static"):
             raise ValueError(f"unknown scheduler policy {self.policy!r}")
+        if self.order not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling order {self.order!r}; use fcfs or priority")
+        if self.order == "priority" and self.policy == "static":
+            raise ValueError("priority scheduling needs the iteration-level scheduler")
+        if self.max_overtakes < 0:
+            raise ValueError("max_overtakes must be non-negative")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
         if self.max_num_batched_tokens < 1:

@@ -62,13 +62,17 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 1024,
         scheduler: str = "iteration",
+        scheduling_order: str = "fcfs",
+        enable_prefix_caching: bool = True,
         device: str = "auto",
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, load_format, max_model_len, seed),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes),
-            scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
+                                      order=scheduling_order),
         )
         self.engine = LLMEngine(config, device=device)
         self.tokenizer = self.engine.tokenizer

@@ -81,6 +81,23 @@ class Workload:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def salted(self, salt: int) -> "Workload":
+        """The same lengths, with every prompt's first token shifted by ``salt``.
+
+        Replaying a workload (the next rate of a sweep) against an engine with prefix
+        caching would otherwise hit the blocks the previous run left behind; a changed
+        first token changes the hash of every block after it, so a salted replay does
+        the same work as the first run. ``salt == 0`` is the workload itself.
+        """
+        if salt == 0:
+            return self
+        vocab = self.params["vocab_size"]
+        low = FIRST_PROMPT_TOKEN_ID if vocab > FIRST_PROMPT_TOKEN_ID + 1 else 0
+        span = vocab - low
+        reqs = [RequestSpec([low + (r.prompt_token_ids[0] - low + salt) % span,
+                             *r.prompt_token_ids[1:]], r.output_len) for r in self.requests]
+        return Workload(self.kind, self.seed, reqs, dict(self.params, salt=salt))
+
     def summary(self) -> dict:
         p = np.array([r.prompt_len for r in self.requests])
         o = np.array([r.output_len for r in self.requests])

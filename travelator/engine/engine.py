@@ -18,7 +18,12 @@ from travelator.engine.kv_cache import KVCacheManager, blocks_for
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
-from travelator.engine.scheduler import IterationScheduler, SampledToken, SchedulerBase
+from travelator.engine.scheduler import (
+    IterationScheduler,
+    PriorityScheduler,
+    SampledToken,
+    SchedulerBase,
+)
 from travelator.engine.static_scheduler import StaticScheduler
 from travelator.model.device import pick_device, resolve_dtype
 from travelator.model.loader import open_model
@@ -78,8 +83,18 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._size_kv_pool(block_size)
         self.runner.allocate_kv_cache(num_blocks, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size)
-        scheduler_cls = StaticScheduler if config.scheduler.policy == "static" else IterationScheduler
+        self.kv = KVCacheManager(
+            num_blocks, block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            # Keys change with anything that changes the KV: model, weights, dtypes.
+            namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}",
+        )
+        if config.scheduler.policy == "static":
+            scheduler_cls = StaticScheduler
+        elif config.scheduler.order == "priority":
+            scheduler_cls = PriorityScheduler
+        else:
+            scheduler_cls = IterationScheduler
         self.scheduler: SchedulerBase = scheduler_cls(config.scheduler, self.kv)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
@@ -141,6 +156,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenise; changes no engine state, so any thread may call it.
 
@@ -179,6 +195,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            cache_salt=cache_salt,
         )
 
     def enqueue(self, req: Request) -> None:

@@ -1,28 +1,60 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and per-request
-block tables. Plain Python (the tensors themselves live in the model runner).
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-request block
+tables and the prefix cache. Plain Python (the tensors live in the model runner).
 
 Blocks are handed out only as tokens are about to be computed, never reserved up to
 a request's maximum length.
+
+Prefix caching: a block full of computed tokens is keyed by a hash chained over
+every token before it (and a namespace plus the request's cache salt, since those
+change the KV too). A new request reuses each leading full block whose key is still
+in memory. Freed blocks keep their key and stay reusable until they are needed for
+new data; they are evicted least-recently-freed first, the tail of a sequence
+before its head. A reused block loses its old key (DESIGN.md invariant 7).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from travelator.engine.request import Request
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of those, found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 namespace: str = "") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root = hashlib.sha256(namespace.encode()).digest()
+        self._ref_cnt = [0] * num_blocks
+        self._block_key: list[bytes | None] = [None] * num_blocks
+        # Free blocks in eviction order (front first); cached ones keep their key here.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
+        self._num_keyed: dict[str, int] = {}  # leading blocks of a request already keyed
+        self.stats = PrefixCacheStats()
 
+    # ---- state ---------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -30,6 +62,10 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -46,31 +82,122 @@ class KVCacheManager:
         """Blocks held per request, for leak reports."""
         return {rid: len(t) for rid, t in self._tables.items() if t}
 
-    def allocate_slots(self, request_id: str, num_tokens_after: int) -> list[int] | None:
-        """Make room for the request to hold ``num_tokens_after`` tokens in total.
+    # ---- prefix cache --------------------------------------------------------------
+    def block_keys(self, req: Request) -> list[bytes]:
+        """Keys of the request's full blocks, extended as its tokens grow."""
+        keys = req.block_keys
+        full = req.num_tokens // self.block_size
+        if len(keys) < full:
+            bs = self.block_size
+            parent = keys[-1] if keys else self._salted_root(req.cache_salt)
+            for i in range(len(keys), full):
+                data = array("q", req.token_slice(i * bs, (i + 1) * bs)).tobytes()
+                parent = hashlib.sha256(parent + data).digest()
+                keys.append(parent)
+        return keys
 
-        Returns the newly added block ids (possibly none), or None, changing nothing,
-        when the pool has too few free blocks.
+    def _salted_root(self, salt: str | None) -> bytes:
+        return self._root if salt is None else hashlib.sha256(self._root + salt.encode()).digest()
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Leading blocks of a request that holds none yet, already in the cache.
+
+        At least one token is always left to compute (invariant 6), so the last
+        token's logits can be sampled.
         """
-        table = self._tables.setdefault(request_id, [])
-        need = blocks_for(num_tokens_after, self.block_size) - len(table)
-        if need <= 0:
+        if not self.enable_prefix_caching:
             return []
-        if need > len(self._free):
+        hits: list[int] = []
+        for key in self.block_keys(req):
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= req.num_tokens:
+            hits.pop()
+        return hits
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Key the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        table = self._tables.get(rid, [])
+        full = min(req.num_computed_tokens // self.block_size, len(table))
+        start = self._num_keyed.get(rid, 0)
+        if full <= start:
+            return
+        keys = self.block_keys(req)
+        for i in range(start, full):
+            block, key = table[i], keys[i]
+            if self._block_key[block] is None and key not in self._cached:
+                self._cached[key] = block
+                self._block_key[block] = key
+            # else: it is a cache hit already, or a twin block holds the key.
+        self._num_keyed[rid] = full
+
+    # ---- allocation ----------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_tokens_after: int,
+                       cached_blocks: list[int] = ()) -> list[int] | None:
+        """Make room for the request to hold ``num_tokens_after`` tokens in total,
+        first taking ``cached_blocks`` (a prefix hit) into its table.
+
+        Returns the newly added block ids (possibly none), or None, changing
+        nothing, when the pool has too few free blocks.
+        """
+        rid = req.request_id
+        table = self._tables.get(rid, [])
+        need = blocks_for(num_tokens_after, self.block_size) - len(table) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self._ref_cnt[b] == 0)
+        if max(need, 0) + revived > len(self._free):
             return None
-        new = [self._free.popleft() for _ in range(need)]
+        table = self._tables.setdefault(rid, table)
+        for b in cached_blocks:
+            if self._ref_cnt[b] == 0:
+                del self._free[b]
+            self._ref_cnt[b] += 1
+            table.append(b)
+        if cached_blocks:
+            self._num_keyed[rid] = len(table)
+        new = [self._take_free_block() for _ in range(max(need, 0))]
         table.extend(new)
-        return new
+        return list(cached_blocks) + new
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        key = self._block_key[block]
+        if key is not None:  # evict: the block is about to hold new data
+            if self._cached.get(key) == block:
+                del self._cached[key]
+            self._block_key[block] = None
+        self._ref_cnt[block] = 1
+        return block
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
-        if table:
-            # Most recently used blocks go to the back, so blocks are reused in FIFO order.
-            self._free.extend(reversed(table))
+        self._num_keyed.pop(request_id, None)
+        if not table:
+            return
+        # The tail goes in first, so it is evicted before the (more shareable) head.
+        for block in reversed(table):
+            self._ref_cnt[block] -= 1
+            if self._ref_cnt[block] == 0:
+                self._free[block] = None
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queried_tokens += num_prompt_tokens
+        self.stats.hit_tokens += num_hit_tokens
 
     def check_consistency(self) -> None:
-        """Every block is either free or owned by exactly one request."""
-        owned = [b for t in self._tables.values() for b in t]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert not set(owned) & set(self._free), "a block is both free and owned"
-        assert len(owned) + len(self._free) == self.num_blocks, "blocks leaked"
+        """Free + used = total, and every reference is accounted for."""
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                counts[b] += 1
+        assert counts == self._ref_cnt, "reference counts disagree with the block tables"
+        free = set(self._free)
+        assert all((self._ref_cnt[b] == 0) == (b in free) for b in range(self.num_blocks)), \
+            "a block is both free and used, or neither"
+        assert len(free) + sum(1 for c in counts if c) == self.num_blocks, "blocks leaked"
+        for key, b in self._cached.items():
+            assert self._block_key[b] == key, "a cache entry points at a block with another key"

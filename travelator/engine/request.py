@@ -69,6 +69,10 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    cache_salt: str | None = None  # keeps this request's prefix-cache entries apart
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks
+    num_overtaken: int = 0  # times a later request was admitted ahead of it
+    resumed_without_progress: bool = False  # preempted, readmitted, nothing computed since
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
 
     @property

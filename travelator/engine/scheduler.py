@@ -6,6 +6,7 @@ Plain Python, no torch: the scheduler is tested in milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -39,11 +40,13 @@ class SchedulerBase:
         self._known_by_runner: set[str] = set()
         self._freed: list[str] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -90,15 +93,76 @@ class SchedulerBase:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_in_runner(req.request_id)
+        self._requeue(req)
+
+    def _requeue(self, req: Request) -> None:
+        """Put a preempted request back where it waits (FCFS: the front)."""
         self.waiting.appendleft(req)
 
-    # ---- one step -----------------------------------------------------------
+    # ---- one step -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         raise NotImplementedError
 
-    def _try_allocate(self, req: Request, num_new_tokens: int) -> bool:
-        total = req.num_computed_tokens + num_new_tokens
-        return self.kv.allocate_slots(req.request_id, total) is not None
+    def _schedule_tokens(self, req: Request, budget: int) -> int | None:
+        """Allocate blocks for the request's next tokens within ``budget``.
+
+        A request holding no blocks first takes its cached prefix. Returns the number
+        of tokens to compute, or None (changing nothing) when the pool is too full.
+        """
+        cached: list[int] = []
+        computed = req.num_computed_tokens
+        if computed == 0 and not self.kv.block_ids(req.request_id):
+            cached = self.kv.find_cached_prefix(req)
+            computed = len(cached) * self.kv.block_size
+        n = min(req.num_tokens - computed, budget)
+        if self.kv.allocate_slots(req, computed + n, cached) is None:
+            return None
+        if req.num_computed_tokens == 0 and req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = computed
+            self.kv.record_lookup(req.num_prompt_tokens, computed)
+        req.num_computed_tokens = computed
+        return n
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Schedule running requests in order, preempting when blocks run out.
+
+        Returns the budget left and whether anything was preempted.
+        """
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            known = len(self.kv.block_ids(req.request_id))
+            n = self._schedule_tokens(req, budget)
+            while n is None:
+                victim = self._pick_victim(i)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted = True
+                out.num_preempted += 1
+                if victim is req:
+                    break
+                n = self._schedule_tokens(req, budget)
+            if n is None:
+                continue  # req itself was preempted; running[i] is now the next one
+            self._add_to_output(out, req, n, known)
+            budget -= n
+            i += 1
+        return budget, preempted
+
+    def _pick_victim(self, i: int) -> Request:
+        """The request to preempt so that running[i] can go on.
+
+        Only requests not yet scheduled this step (running[i:]) qualify. A request
+        that was preempted and has not produced a token since is spared while any
+        other choice exists, so it cannot thrash.
+        """
+        candidates = self.running[i:]
+        spared = [r for r in candidates if not r.resumed_without_progress]
+        return self._least_important(spared or candidates)
+
+    def _least_important(self, candidates: list[Request]) -> Request:
+        return candidates[-1]  # the most recently admitted
 
     def _start_output(self) -> SchedulerOutput:
         out = SchedulerOutput(freed_request_ids=self._freed)
@@ -147,9 +211,11 @@ class SchedulerBase:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
             tok = sampled.get(rid)
             if tok is None:
                 continue  # a prompt chunk that does not reach the end of the prompt
+            req.resumed_without_progress = False
             assert req.num_computed_tokens == req.num_tokens
             req.append_output_token(tok.token_id)
             if req.times.first_token is None:
@@ -170,41 +236,63 @@ class IterationScheduler(SchedulerBase):
     prompt chunk), then waiting requests first-come first-served. When the pool is
     out of blocks, the most recently admitted running request is preempted. No new
     request is admitted in a step that had to preempt.
+
+    Admission never blocks forever behind one request: a waiting request that does
+    not fit in the free blocks may be overtaken by later ones that do, but at most
+    ``max_overtakes`` times; after that nobody is admitted past it until it fits, so
+    it cannot starve either.
     """
 
     def schedule(self) -> SchedulerOutput:
         out = self._start_output()
-        budget = self.config.max_num_batched_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
-            assert n > 0, "a running request always has a token to compute"
-            known = len(self.kv.block_ids(req.request_id))
-            while not self._try_allocate(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                out.num_preempted += 1
-                if victim is req:
-                    break
-            else:
-                self._add_to_output(out, req, n, known)
-                budget -= n
-                i += 1
+        budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(out, budget)
         return out
 
+    def _waiting_order(self) -> list[Request]:
+        return list(self.waiting)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_uncomputed_tokens, budget)
-            if not self._try_allocate(req, n):
-                break  # first-come first-served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+        blocked: list[Request] = []  # waiting requests that did not fit this step
+        for req in self._waiting_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if any(b.num_overtaken >= self.config.max_overtakes for b in blocked):
+                break
+            n = self._schedule_tokens(req, budget)
+            if n is None:
+                blocked.append(req)
+                continue
+            for b in blocked:
+                b.num_overtaken += 1
+            self.waiting.remove(req)
+            if req.status == RequestStatus.PREEMPTED:
+                req.resumed_without_progress = True
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_output(out, req, n, 0)
             budget -= n
+
+
+class PriorityScheduler(IterationScheduler):
+    """Iteration-level scheduling by ``priority`` (lower first, FCFS within a level).
+
+    Running requests are served in priority order; when blocks run out, the
+    lowest-priority, latest request is preempted first; waiting requests are
+    admitted in priority order.
+    """
+
+    @staticmethod
+    def _rank(req: Request) -> tuple[int, int]:
+        return (req.priority, req.arrival_order)
+
+    def schedule(self) -> SchedulerOutput:
+        self.running.sort(key=self._rank)
+        return super().schedule()
+
+    def _waiting_order(self) -> list[Request]:
+        return sorted(self.waiting, key=self._rank)
+
+    def _least_important(self, candidates: list[Request]) -> Request:
+        return max(candidates, key=self._rank)

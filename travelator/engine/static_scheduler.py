@@ -19,24 +19,8 @@ class StaticScheduler(SchedulerBase):
         out = self._start_output()
         if not self.running:
             self._admit_batch()
-        budget = self.config.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_uncomputed_tokens, budget)
-            known = len(self.kv.block_ids(req.request_id))
-            while not self._try_allocate(req, n):
-                # Out of blocks: the latest member leaves the batch and is recomputed
-                # in a later batch.
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is req:
-                    break
-            else:
-                self._add_to_output(out, req, n, known)
-                budget -= n
-                i += 1
+        # Out of blocks: the latest member leaves the batch and is recomputed later.
+        self._schedule_running(out, self.config.max_num_batched_tokens)
         return out
 
     def _admit_batch(self) -> None:

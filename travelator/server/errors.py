@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,13 +60,35 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
         ctx = first.get("ctx") or {}
         detail = ctx.get("error") or first.get("msg", "")
         return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union members show up as extra path parts ("prompt.str", "prompt.list[int]"); keep the field.
-    param = ".".join(p for p in loc if not _is_type_name(p)) or None
+    params = [_param(e) for e in errors]
+    param = params[0]
     msg = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    tops = {p.split(".", 1)[0] if p else None for p in params}
+    if len(errors) > 1 and len(tops) == 1 and param is not None:
+        # One field failed every member of a union: say what the union takes.
+        common = os.path.commonprefix([p.split(".") for p in params])
+        param = ".".join(common) or param
+        key = next((c for c in reversed(common) if not c.isdigit()), None)
+        msg = _UNION_HINTS.get(key, msg)
+        more = ""
+    else:
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     where = f"{param}: " if param else ""
     return APIError(400, f"{where}{msg}{more}", param=param, code="invalid_value")
+
+
+_UNION_HINTS = {
+    "prompt": "expected a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "expected a string or a list of strings",
+    "content": "expected a string or a list of content parts",
+    "messages": "expected a list of messages, each an object with a role and a content",
+}
+
+
+def _param(error: dict) -> str | None:
+    # Union members show up as extra path parts ("prompt.str", "prompt.list[int]"); keep the field.
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return ".".join(p for p in loc if not _is_type_name(p)) or None
 
 
 def _is_type_name(part: str) -> bool:

@@ -1,0 +1,165 @@
+"""End-to-end runs of ``bench throughput``, ``bench compare`` and ``bench serve``, tiny.
+
+stories260K, a handful of requests, a few tokens each: these check that the commands
+run and write their reports, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from paths import STORIES
+
+from travelator.bench.cli import main
+
+pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="stories260K.gguf is missing")
+
+TINY = ["--model", str(STORIES), "--max-num-seqs", "4", "--max-model-len", "64",
+        "--prompt-len-range", "4", "12", "--output-len-range", "1", "6", "--no-progress"]
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_compare_writes_json_and_pngs(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = main(["compare", *TINY, "--num-requests", "5", "--request-rates", "50", "inf",
+               "--output-dir", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith("Throughput ratio at median normalised latency")
+    report = json.loads((out / "compare.json").read_text())
+    assert {(r["scheduler"], r["rate"]) for r in report["results"]} == {
+        ("static", 50.0), ("iteration", 50.0), ("static", "inf"), ("iteration", "inf")}
+    assert all(r["completed"] == 5 and r["failed"] == 0 for r in report["results"])
+    assert report["ratio_line"] == last
+    trace = report["occupancy_trace"]
+    assert trace["max_num_seqs"] == 4
+    for sched in ("static", "iteration"):
+        busy = trace["steps"][sched]["num_requests"]
+        assert busy and max(busy) <= 4
+    for name in ("latency_vs_throughput.png", "batch_occupancy.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_throughput_writes_json(tmp_path, capsys):
+    path = tmp_path / "tp.json"
+    rc = main(["throughput", *TINY, "--num-requests", "4", "--workload", "orca",
+               "--goodput", "ttft:60000", "--output-json", str(path)])
+    assert rc == 0
+    assert "Request throughput (req/s):" in capsys.readouterr().out
+    report = json.loads(path.read_text())
+    m = report["metrics"]
+    assert m["completed"] == 4 and m["good_requests"] == 4
+    assert m["total_output_tokens"] == report["workload"]["total_output_tokens"]
+    assert report["steps"]["num_steps"] > 0
+
+
+# ---- bench serve against a stand-in server ------------------------------------------------
+def _fake_openai_server():
+    """A minimal streaming /v1/completions: one SSE chunk per token, then usage and [DONE]."""
+    app = FastAPI()
+    seen: list[dict] = []
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        body = await req.json()
+        seen.append(body)
+        n = body["max_tokens"]
+
+        async def events():
+            for i in range(n):
+                await asyncio.sleep(0.002)
+                fin = "length" if i == n - 1 else None
+                chunk = {"id": "c", "object": "text_completion", "model": body["model"],
+                         "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": fin}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                     "total_tokens": len(body["prompt"]) + n}
+            yield f"data: {json.dumps({'id': 'c', 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, seen
+
+
+@pytest.fixture()
+def fake_server():
+    import uvicorn
+
+    from travelator.bench.client import free_port
+
+    app, seen = _fake_openai_server()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    yield f"http://127.0.0.1:{port}", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_bench_serve_client_against_a_stand_in_server(fake_server, tmp_path):
+    url, seen = fake_server
+    path = tmp_path / "serve.json"
+    rc = main(["serve", "--base-url", url, "--vocab-size", "512", "--num-requests", "6",
+               "--workload", "fixed", "--prompt-len", "5", "--output-len", "4",
+               "--request-rate", "200", "inf", "--max-concurrency", "3",
+               "--goodput", "ttft:10000", "--no-progress", "--output-json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert [r["rate"] for r in report["runs"]] == [200.0, "inf"]
+    for run in report["runs"]:
+        m = run["metrics"]
+        assert m["completed"] == 6 and m["failed"] == 0
+        assert m["total_output_tokens"] == 24 and m["good_requests"] == 6
+        assert m["median_ttft_ms"] > 0 and m["median_itl_ms"] > 0
+        assert all(r["num_events"] == 4 for r in run["requests"])
+    body = seen[-1]
+    assert body["model"] == "fake-model" and body["stream"] is True
+    assert body["ignore_eos"] is True and len(body["prompt"]) == 5
+
+
+def _real_server_available() -> bool:
+    if importlib.util.find_spec("travelator.server.app") is None:
+        return False
+    from travelator.cli import build_parser
+
+    try:
+        build_parser().parse_args(["serve", "--help"])
+    except SystemExit as e:
+        return e.code == 0
+    return False
+
+
+@pytest.mark.skipif(not _real_server_available(), reason="travelator serve is not there yet")
+def test_bench_serve_starts_a_real_server(tmp_path, capsys):
+    path = tmp_path / "serve.json"
+    rc = main(["serve", *TINY, "--num-requests", "4", "--request-rate", "inf",
+               "--output-json", str(path), "--server-timeout", "120"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads(path.read_text())
+    assert report["started_server"]
+    m = report["runs"][0]["metrics"]
+    assert m["completed"] == 4
+    assert m["total_output_tokens"] == report["workload"]["total_output_tokens"]

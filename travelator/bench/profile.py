@@ -1,0 +1,48 @@
+"""``bench throughput --profile``: where the time goes.
+
+What it prints today:
+
+- the share of wall time spent inside ``engine.step()`` against the benchmark loop;
+- per-phase engine timings, when the engine exposes them as a mapping
+  ``engine.phase_times`` (phase name -> seconds, accumulated over the run): this is the
+  hook for a per-phase breakdown (schedule, prepare, forward, sample, detokenise,
+  stream) that the engine can fill in without the benchmark changing;
+- the top operators by self CPU time from ``torch.profiler``, and a Chrome trace when a
+  path is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def torch_profiler(trace_path: str | None = None) -> Iterator[object]:
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield prof
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+
+
+def profile_report(engine, run, prof=None, row_limit: int = 15) -> str:
+    lines = ["", "=== profile ==="]
+    summary = run.step_summary()
+    step_time = summary.get("step_time_s", 0.0)
+    wall = run.duration_s or float("nan")
+    lines.append(f"wall {wall:.2f} s, inside engine.step() {step_time:.2f} s "
+                 f"({step_time / wall:.0%}), {summary.get('num_steps', 0)} steps, "
+                 f"mean {summary.get('mean_step_ms', 0):.1f} ms/step")
+    phases = getattr(engine, "phase_times", None)
+    if phases:
+        total = sum(phases.values()) or float("nan")
+        lines.append("engine phases:")
+        for name, secs in sorted(phases.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {name:<14} {secs:8.3f} s  {secs / total:6.1%}")
+    else:
+        lines.append("engine phases: not reported by this engine (engine.phase_times)")
+    if prof is not None:
+        lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit))
+    return "\n".join(lines)

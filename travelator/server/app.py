@@ -1,0 +1,139 @@
+"""The FastAPI app: OpenAI-compatible endpoints over an AsyncEngine.
+
+``build_app(async_engine, settings)`` returns an ASGI app whose lifespan starts the engine's
+step loop on the serving event loop and stops it at shutdown. Routes:
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not)
+- ``GET /v1/models``, ``GET /v1/models/{model}``
+- ``GET /health`` (200 while the step loop runs, 503 when it died or the server is draining)
+- ``GET /metrics`` (Prometheus text, this app's own registry)
+
+With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise);
+``/health`` and ``/metrics`` stay open for probes and scrapers. Every error is an OpenAI-style
+JSON body (see ``errors.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from travelator.engine.async_engine import AsyncEngine
+from travelator.server.errors import APIError, from_validation_error, install_error_handlers
+from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from travelator.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from travelator.server.serving import OpenAIServing
+from travelator.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_app", "ServerSettings"]
+
+
+async def read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """Read at most ``limit`` bytes (413 past it) and validate them as ``model`` (400 if bad).
+
+    The body is parsed here rather than by FastAPI so that any content type is read as JSON
+    (``curl -d`` sends form encoding by default) and every failure has the OpenAI error shape.
+    """
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the request body is {length} bytes, more than the limit of {limit}",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body is more than the limit of {limit} bytes",
+                           code="request_too_large")
+    if not body:
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    settings.validate()
+    engine = async_engine.engine
+    names = list(settings.served_model_names) or [engine.model_name]
+    metrics = ServerMetrics(async_engine, names[0])
+    async_engine.step_listeners.append(metrics.on_step)
+    serving = OpenAIServing(async_engine, settings, metrics, names)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        serving.loop = asyncio.get_running_loop()
+        if not async_engine.healthy and async_engine.error is None:
+            async_engine.start()
+        logger.info("serving %s (context %d tokens)", ", ".join(names), engine.max_model_len)
+        try:
+            yield
+        finally:
+            serving.draining = True
+            async_engine.stop_accepting()
+            async_engine.abort_all()
+            await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="travelator", description="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.settings = settings
+    install_error_handlers(app)
+
+    async def require_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = await read_body(request, CompletionRequest, settings.max_body_bytes)
+        return await serving.completions(req, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await read_body(request, ChatCompletionRequest, settings.max_body_bytes)
+        return await serving.chat(req, request)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[card(n) for n in names])
+
+    @v1.get("/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        return card(serving.resolve_model(model))
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.healthy:
+            return APIError(503, f"the engine loop is not running: {async_engine.error!r}",
+                            code="engine_dead").response()
+        if serving.draining:
+            return APIError(503, "the server is shutting down", code="shutting_down").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
