@@ -26,7 +26,7 @@ from paths import STORIES
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
 
 ROOT = Path(__file__).resolve().parent.parent
-GRACE_S = 1.0
+GRACE_S = 0.5
 
 
 def free_port() -> int:

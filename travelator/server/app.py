@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
@@ -47,11 +48,14 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Bas
         raise APIError(413, f"the request body is {length} bytes, more than the limit of {limit}",
                        code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is more than the limit of {limit} bytes",
-                           code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is more than the limit of {limit} bytes",
+                               code="request_too_large")
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body") from None
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import anyio
 import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from travelator.engine.async_engine import AsyncEngine, EngineDeadError
 from travelator.engine.outputs import RequestOutput, TokenLogprob
@@ -247,6 +247,11 @@ class EventStream(StreamingResponse):
             tg.start_soon(run_stream)
             await self.listen_for_disconnect(receive)
             tg.cancel_scope.cancel()
+
+
+def _json(model) -> Response:
+    # pydantic writes a non-finite float (a -inf logprob) as null, where json.dumps would fail.
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def _sse(model) -> str:
@@ -478,7 +483,7 @@ class OpenAIServing:
         ]
         resp = CompletionResponse(id=gen.request_ids[0].rsplit("-", 1)[0], created=created, model=model,
                                   choices=choices, usage=self._usage(prompts, finals, n))
-        return JSONResponse(resp.model_dump())
+        return _json(resp)
 
     async def _stream_completion(self, gen, model, created, prompts, n, k, echo, echo_text,
                                  builders, include_usage) -> AsyncIterator[str]:
@@ -509,6 +514,10 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         except (APIError, EngineDeadError) as exc:
             yield _sse_error(exc)
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # a bug: end the stream with an error event, not a broken connection
+            logger.exception("streaming failed")
+            yield _sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
             yield "data: [DONE]\n\n"
         finally:
             gen.close()
@@ -584,7 +593,7 @@ class OpenAIServing:
         ]
         resp = ChatCompletionResponse(id=gen.request_ids[0].rsplit("-", 1)[0], created=created, model=model,
                                       choices=choices, usage=self._usage([prompt], finals, n))
-        return JSONResponse(resp.model_dump())
+        return _json(resp)
 
     async def _stream_chat(self, gen, model, created, prompt, n, texts, top_n, include_usage) -> AsyncIterator[str]:
         rid = gen.request_ids[0].rsplit("-", 1)[0]
@@ -613,6 +622,10 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         except (APIError, EngineDeadError) as exc:
             yield _sse_error(exc)
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # a bug: end the stream with an error event, not a broken connection
+            logger.exception("streaming failed")
+            yield _sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
             yield "data: [DONE]\n\n"
         finally:
             gen.close()
