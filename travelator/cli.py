@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (gloo on CPU, NCCL on CUDA); the engine "
+                        "launches N-1 workers here, or run every rank under torchrun")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -55,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=args.scheduler, scheduling_order=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching, device=args.device, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

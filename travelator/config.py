@@ -59,11 +59,24 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    # Ranks one model is split over (Megatron-style tensor parallelism). Above 1 the engine
+    # launches size - 1 worker processes on this machine, unless torchrun launched it.
+    tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be positive")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         self.cache.validate()
         self.scheduler.validate()
+        self.parallel.validate()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from travelator.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from travelator.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from travelator.engine.engine import LLMEngine
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.sampling_params import SamplingParams
@@ -66,6 +66,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         device: str = "auto",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, load_format, max_model_len, seed),
@@ -73,9 +74,14 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
                                       order=scheduling_order),
+            parallel=ParallelConfig(tensor_parallel_size),
         )
         self.engine = LLMEngine(config, device=device)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        self.engine.shutdown()
 
     def generate(
         self,

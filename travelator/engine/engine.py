@@ -15,7 +15,7 @@ import torch
 from travelator.config import EngineConfig
 from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
-from travelator.engine.model_runner import ModelRunner
+from travelator.distributed.executor import TensorParallelError, make_runner
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.scheduler import (
@@ -75,9 +75,11 @@ class LLMEngine:
             config.cache.kv_cache_dtype, None, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
-        self.runner = ModelRunner(
-            self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype, device=self.device,
-            max_model_len=self.max_model_len, seed=mc.seed, eos_token_ids=self.eos_token_ids,
+        # One rank: a ModelRunner. Tensor parallel: the driver of the group (same interface).
+        self.runner = make_runner(
+            config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
+            device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
+            eos_token_ids=self.eos_token_ids,
         )
         self.dtype = dtype
         block_size = config.cache.block_size
@@ -105,6 +107,12 @@ class LLMEngine:
             self.model_name, self.arch.family, self.arch.num_parameters / 1e6, dtype,
             self.device, num_blocks, block_size, self.max_model_len,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- set-up --------------------------------------------------------------------
     def _context_limit(self) -> int:
@@ -246,6 +254,8 @@ class LLMEngine:
             return []
         try:
             sampled = self.runner.execute(out)
+        except TensorParallelError:
+            raise  # a worker is gone: the engine cannot go on
         except Exception as exc:  # a failed step must not take the other requests down
             logger.error("step failed; failing its %d requests:\n%s",
                          len(out.num_scheduled_tokens), traceback.format_exc())

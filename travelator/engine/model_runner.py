@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from travelator.distributed.comm import TPGroup
 from travelator.engine.scheduler import SampledToken
 from travelator.engine.scheduler_output import SchedulerOutput
 from travelator.model.arch import ModelArch
@@ -46,13 +47,15 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None) -> None:
         self.arch = arch
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         self.eos_token_ids = eos_token_ids
-        model = LlamaModel(arch, dtype, max_positions=max_model_len)
+        # Tensor parallelism: this rank's shard of the weights and of the KV heads.
+        self.tp_size = tp.size if tp is not None else 1
+        model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp)
         if weights is None:
             model.init_dummy_weights(seed)
         else:
@@ -64,11 +67,11 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        return block_size * self.arch.kv_bytes_per_token(itemsize)
+        return block_size * self.arch.kv_bytes_per_token(itemsize) // self.tp_size
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        shape = (num_blocks, block_size, a.num_kv_heads // self.tp_size, a.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))

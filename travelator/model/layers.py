@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,3 +75,62 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """How one parameter is split over the tensor-parallel ranks (Megatron style).
+
+    Along ``dim``, each of the parameter's fused ``parts`` (full sizes, e.g. q, k, v of a
+    fused QKV) is cut into ``size`` equal contiguous pieces, and rank r keeps piece r of
+    every part, in order. ``dim=None``: replicated. A part that does not divide evenly
+    (only the vocabulary may) gets a zero-padded last piece.
+    """
+
+    dim: int | None = None
+    parts: tuple[int, ...] = ()
+
+    def piece(self, part: int, size: int) -> int:
+        return -(-self.parts[part] // size)
+
+    def local_shape(self, full_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        if self.dim is None:
+            return full_shape
+        shape = list(full_shape)
+        shape[self.dim] = sum(self.piece(i, size) for i in range(len(self.parts)))
+        return tuple(shape)
+
+    def local_offset(self, part: int, size: int) -> int:
+        """Where this rank's piece of ``part`` starts in the local parameter."""
+        return sum(self.piece(i, size) for i in range(part))
+
+    def part_shape(self, full_shape: tuple[int, ...], part: int) -> tuple[int, ...]:
+        if self.dim is None:
+            return full_shape
+        shape = list(full_shape)
+        shape[self.dim] = self.parts[part]
+        return tuple(shape)
+
+    def take(self, full_part: torch.Tensor, part: int, rank: int, size: int) -> torch.Tensor:
+        """This rank's piece of one full part (a whole HF tensor such as q_proj.weight)."""
+        if self.dim is None or size == 1:
+            return full_part
+        n = self.piece(part, size)
+        total = full_part.shape[self.dim]
+        lo = min(rank * n, total)
+        piece = full_part.narrow(self.dim, lo, min(n, total - lo))
+        if piece.shape[self.dim] < n:
+            pad = list(piece.shape)
+            pad[self.dim] = n - piece.shape[self.dim]
+            piece = torch.cat([piece, piece.new_zeros(pad)], dim=self.dim)
+        return piece
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """This rank's shard of the full (fused) parameter."""
+        if self.dim is None or size == 1:
+            return full
+        pieces, start = [], 0
+        for i, p in enumerate(self.parts):
+            pieces.append(self.take(full.narrow(self.dim, start, p), i, rank, size))
+            start += p
+        return torch.cat(pieces, dim=self.dim)

@@ -3,6 +3,13 @@
 Selective batching: embedding, norms, the fused QKV and output projections, the
 MLP and the LM head run once over all tokens of all requests in the step; only
 attention looks at requests one by one (see attention.py).
+
+Tensor parallelism (Megatron style), when a ``TPGroup`` is given: the fused QKV and
+gate/up projections are split by output rows (each rank holds its own query and KV
+heads, and its share of the MLP), the output and down projections by input columns
+and followed by an all-reduce; the embedding and the LM head are split over the
+vocabulary (out-of-range ids embed to zero, then all-reduce; local logits are gathered
+on the driver). Norms are replicated. Without a group nothing of this runs.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from travelator.distributed.comm import TPGroup, check_divisible
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, PagedAttention
-from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard, silu_and_mul
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -23,20 +31,23 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
+        size = tp.size if tp is not None else 1
+        self.tp = tp
         h, d = arch.hidden_size, arch.head_dim
-        self.q_size = arch.num_heads * d
-        self.kv_size = arch.num_kv_heads * d
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads // size, arch.num_kv_heads // size, d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        inter = arch.intermediate_size // size
         self.input_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if arch.attention_bias else None
         self.o_weight = _param(h, self.q_size, dtype=dtype)
         self.post_attn_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
-        self.gate_up_weight = _param(2 * arch.intermediate_size, h, dtype=dtype)
-        self.down_weight = _param(h, arch.intermediate_size, dtype=dtype)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, d)
+        self.gate_up_weight = _param(2 * inter, h, dtype=dtype)
+        self.down_weight = _param(h, inter, dtype=dtype)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
     def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
         t = x.shape[0]
@@ -47,21 +58,34 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         attn = self.attn(q, k, v, k_cache, v_cache, meta)
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        o = F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        if self.tp is not None:
+            self.tp.all_reduce(o)
+        x = x + o
         mlp = F.linear(silu_and_mul(F.linear(self.post_attn_norm(x), self.gate_up_weight)),
                        self.down_weight)
+        if self.tp is not None:
+            self.tp.all_reduce(mlp)
         return x + mlp
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
+        if tp is not None:
+            check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp.size)
         self.arch = arch
         self.dtype = dtype
-        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.tp = tp
+        self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.shards, self.full_shapes = _layout(arch)
+        vocab = self.shards["embed"].local_shape(self.full_shapes["embed"], self.tp_size)[0]
+        self.vocab_start = self.tp_rank * vocab  # this rank's slice of the vocabulary
+        self.embed = _param(vocab, arch.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.lm_head = None if arch.tie_word_embeddings else _param(vocab, arch.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
 
     @property
@@ -76,37 +100,49 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, k_cache, v_cache, meta)
         return self.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        # Vocabulary-parallel: ids outside this rank's slice embed to zero, then sum.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary float32 logits; with tensor parallelism on the driver only
+        (the other ranks send their slice and get None)."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp is None:
+            return logits.float()
+        full = self.tp.gather(logits, dim=-1)
+        return None if full is None else full[:, : self.arch.vocab_size].float()
 
     # ---- weights --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into our layout.
 
+        With tensor parallelism each incoming tensor is cut to this rank's shard as it
+        streams in, so a rank never holds more than its shard plus one full tensor.
         Every parameter must be written exactly once; a missing or unexpected
         tensor is an error, so a truncated or foreign checkpoint never runs.
         """
-        a = self.arch
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        inter = a.intermediate_size
-        expected = {n for n, _ in self.named_parameters()}
-        written: set[str] = set()
-        # target name, slice of its first dim
+        # HF name within a layer -> (our field, index of the fused part)
         fused = {
-            "self_attn.q_proj.weight": ("qkv_weight", 0, q),
-            "self_attn.k_proj.weight": ("qkv_weight", q, q + kv),
-            "self_attn.v_proj.weight": ("qkv_weight", q + kv, q + 2 * kv),
-            "self_attn.q_proj.bias": ("qkv_bias", 0, q),
-            "self_attn.k_proj.bias": ("qkv_bias", q, q + kv),
-            "self_attn.v_proj.bias": ("qkv_bias", q + kv, q + 2 * kv),
-            "mlp.gate_proj.weight": ("gate_up_weight", 0, inter),
-            "mlp.up_proj.weight": ("gate_up_weight", inter, 2 * inter),
+            "self_attn.q_proj.weight": ("qkv_weight", 0),
+            "self_attn.k_proj.weight": ("qkv_weight", 1),
+            "self_attn.v_proj.weight": ("qkv_weight", 2),
+            "self_attn.q_proj.bias": ("qkv_bias", 0),
+            "self_attn.k_proj.bias": ("qkv_bias", 1),
+            "self_attn.v_proj.bias": ("qkv_bias", 2),
+            "mlp.gate_proj.weight": ("gate_up_weight", 0),
+            "mlp.up_proj.weight": ("gate_up_weight", 1),
         }
         plain = {
             "self_attn.o_proj.weight": "o_weight",
@@ -114,26 +150,30 @@ class LlamaModel(nn.Module):
             "input_layernorm.weight": "input_norm.weight",
             "post_attention_layernorm.weight": "post_attn_norm.weight",
         }
+        rank, size = self.tp_rank, self.tp_size
         params = dict(self.named_parameters())
+        expected = set(params)
+        written: set[str] = set()
         parts_written: dict[str, int] = {}
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model."):]
+            part = None
             if name == "embed_tokens.weight":
-                target, sl = "embed", None
+                target = "embed"
             elif name == "norm.weight":
-                target, sl = "norm.weight", None
+                target = "norm.weight"
             elif name == "lm_head.weight":
                 if self.lm_head is None:
                     continue  # tied: some checkpoints store the copy anyway
-                target, sl = "lm_head", None
+                target = "lm_head"
             elif name.startswith("layers."):
                 _, idx, rest = name.split(".", 2)
                 if rest in fused:
-                    field, lo, hi = fused[rest]
-                    target, sl = f"layers.{idx}.{field}", (lo, hi)
+                    field, part = fused[rest]
+                    target = f"layers.{idx}.{field}"
                 elif rest in plain:
-                    target, sl = f"layers.{idx}.{plain[rest]}", None
+                    target = f"layers.{idx}.{plain[rest]}"
                 elif rest.endswith("rotary_emb.inv_freq"):
                     continue
                 else:
@@ -144,29 +184,67 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
             if target not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            shard = self.shards[target]
+            full_shape = self.full_shapes[target]
             dest = params[target].data
-            if sl is not None:
-                dest = dest[sl[0] : sl[1]]
+            if part is not None:
+                full_shape = shard.part_shape(full_shape, part)
+                lo = shard.local_offset(part, size)
+                dest = dest.narrow(shard.dim, lo, shard.piece(part, size))
                 parts_written[target] = parts_written.get(target, 0) + 1
-            if tuple(dest.shape) != tuple(tensor.shape):
+            if tuple(tensor.shape) != tuple(full_shape):
                 raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
                 )
-            dest.copy_(tensor)
-            if sl is None or parts_written[target] == self._num_parts(target):
+            dest.copy_(shard.take(tensor, part or 0, rank, size))
+            if part is None or parts_written[target] == len(shard.parts):
                 written.add(target)
         missing = expected - written
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
 
-    def _num_parts(self, target: str) -> int:
-        return 2 if target.endswith("gate_up_weight") else 3
-
     def init_dummy_weights(self, seed: int) -> None:
-        """Random weights with a realistic scale, for benchmarks without a download."""
+        """Random weights with a realistic scale, for benchmarks without a download.
+
+        Each parameter is drawn whole, in order, from one generator, then cut to this
+        rank's shard: every tensor-parallel size gives the same model as one rank.
+        """
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.data.fill_(1.0)
             else:
-                p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                full = torch.randn(self.full_shapes[name], generator=g) * 0.02
+                p.data.copy_(self.shards[name].shard(full, self.tp_rank, self.tp_size))
+
+
+def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
+    """Every parameter's full (one-rank) shape and how it is split over ranks."""
+    h, v = arch.hidden_size, arch.vocab_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
+    replicated = Shard()
+    vocab = Shard(0, (v,))
+    shards = {"embed": vocab, "norm.weight": replicated, "lm_head": vocab}
+    shapes = {"embed": (v, h), "norm.weight": (h,), "lm_head": (v, h)}
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        shards |= {
+            p + "input_norm.weight": replicated,
+            p + "qkv_weight": Shard(0, (q, kv, kv)),  # column-parallel: own heads
+            p + "qkv_bias": Shard(0, (q, kv, kv)),
+            p + "o_weight": Shard(1, (q,)),  # row-parallel, then all-reduce
+            p + "post_attn_norm.weight": replicated,
+            p + "gate_up_weight": Shard(0, (inter, inter)),
+            p + "down_weight": Shard(1, (inter,)),
+        }
+        shapes |= {
+            p + "input_norm.weight": (h,),
+            p + "qkv_weight": (q + 2 * kv, h),
+            p + "qkv_bias": (q + 2 * kv,),
+            p + "o_weight": (h, q),
+            p + "post_attn_norm.weight": (h,),
+            p + "gate_up_weight": (2 * inter, h),
+            p + "down_weight": (h, inter),
+        }
+    return shards, shapes

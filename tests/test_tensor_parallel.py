@@ -1,0 +1,207 @@
+"""Tensor parallelism on CPU over gloo: TP=2 against TP=1 and transformers, per-rank
+memory, and what happens when a worker or the driver dies.
+
+Workers are real processes launched by the engine (one torch thread each here).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_models import build_checkpoint, load_reference, reference_greedy
+from travelator import LLM, SamplingParams
+from travelator.distributed.executor import TensorParallelError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_worker_and_a_deadline(monkeypatch):
+    monkeypatch.setenv("TRAVELATOR_TP_THREADS", "1")
+
+    def hung(signum, frame):
+        raise TimeoutError("tensor-parallel test hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_requests(n: int, seed: int) -> list[tuple[int, list[int], int]]:
+    """(arrival step, prompt, max_tokens): staggered, prompts of 3 to 60 tokens."""
+    rng = random.Random(seed)
+    return [(rng.randint(0, 12), [1] + [rng.randrange(3, 300) for _ in range(rng.randint(3, 60))],
+             rng.randint(1, 20)) for _ in range(n)]
+
+
+def run_staggered(llm: LLM, reqs) -> dict[int, list[int]]:
+    engine = llm.engine
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
+    ids: dict[str, int] = {}
+    results: dict[int, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, m) = pending.pop(0)
+            ids[engine.add_request(prompt, greedy(m)).request_id] = i
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                results[ids[out.request_id]] = out.output_token_ids
+        step += 1
+        assert step < 10_000
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return results
+
+
+# Chunked prefill (7-token budget) and preemption (12 blocks of 8 tokens for 10 requests
+# of up to 61 + 20 tokens) in the same run.
+TIGHT = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_tokens=7)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp2_matches_tp1_and_transformers(family, tmp_path):
+    overrides = {"tie_word_embeddings": True} if family == "llama" else {}
+    path = build_checkpoint(tmp_path, family, **overrides)
+    reqs = make_requests(10, seed=11)
+    one = LLM(str(path), **TIGHT)
+    want = run_staggered(one, reqs)
+    assert one.engine.counters.preemptions > 0
+    two = LLM(str(path), tensor_parallel_size=2, **TIGHT)
+    try:
+        got = run_staggered(two, reqs)
+        assert two.engine.counters.preemptions == one.engine.counters.preemptions
+        # Every rank holds its own share of the KV heads (2 KV heads: one each).
+        mem = two.engine.runner.call("memory")
+        kv_one = sum(k.numel() * k.element_size() * 2 for k, _ in one.engine.runner.kv_caches)
+        assert [m["kv_cache"] for m in mem] == [kv_one // 2] * 2
+    finally:
+        two.shutdown()
+    assert got == want
+    ref = load_reference(path)
+    for i, (_, prompt, m) in enumerate(reqs):
+        assert got[i] == reference_greedy(ref, prompt, m), f"request {i} differs"
+
+
+def test_dummy_weights_same_model_and_half_the_weights_per_rank():
+    prompts = [[1, 5, 6, 7, 8], [1] + list(range(100, 140))]
+    one = LLM("dummy:tiny", dtype="float32", num_kv_blocks=16)
+    two = LLM("dummy:tiny", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    try:
+        got = [r.token_ids for r in two.generate(prompts, greedy(10), use_tqdm=False)]
+        per_rank = [m["weights"] for m in two.engine.runner.call("memory")]
+    finally:
+        two.shutdown()
+    want = [r.token_ids for r in one.generate(prompts, greedy(10), use_tqdm=False)]
+    assert got == want
+    total = sum(p.numel() * p.element_size() for p in one.engine.runner.model.parameters())
+    # Everything is split but the norms (a few hundred floats), so each rank holds ~half.
+    for b in per_rank:
+        assert 0.5 <= b / total < 0.51, (b, total)
+
+
+def test_shard_splits_fused_parts_and_pads_the_vocabulary():
+    import torch
+
+    from travelator.model.layers import Shard
+
+    qkv = Shard(0, (4, 2, 2))  # q, k, v rows of a fused projection
+    full = torch.arange(8.0)
+    assert [qkv.shard(full, r, 2).tolist() for r in range(2)] == [[0, 1, 4, 6], [2, 3, 5, 7]]
+    assert qkv.local_offset(1, 2) == 2 and qkv.piece(1, 2) == 1
+    # q_proj alone, as it streams in from a checkpoint, lands in the same rows.
+    assert qkv.take(full[:4], 0, 1, 2).tolist() == [2, 3]
+    vocab = Shard(0, (5,))
+    emb = torch.arange(10.0).view(5, 2)
+    pieces = [vocab.shard(emb, r, 2) for r in range(2)]
+    assert vocab.local_shape((5, 2), 2) == (3, 2)
+    assert torch.equal(torch.cat(pieces)[:5], emb) and pieces[1][-1].eq(0).all()
+    down = Shard(1, (4,))
+    w = torch.arange(8.0).view(2, 4)
+    assert torch.equal(torch.cat([down.shard(w, r, 2) for r in range(2)], dim=1), w)
+    assert Shard().shard(w, 1, 2) is w  # replicated
+
+
+def test_indivisible_heads_are_refused():
+    with pytest.raises(ValueError, match="must divide the model's attention heads"):
+        LLM("dummy:tiny", tensor_parallel_size=3)
+
+
+def test_killed_worker_fails_the_engine_fast():
+    llm = LLM("dummy:tiny", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    engine = llm.engine
+    (pid,) = engine.runner.worker_pids
+    for i in range(4):
+        engine.add_request([1] + list(range(10 + i, 60 + i)), greedy(200))
+    engine.step()
+    engine.step()
+    # Kill it while the driver is busy stepping (most likely inside a collective).
+    threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"tensor-parallel worker 1 died \(exit code -9\)"):
+        while True:
+            engine.step()
+            assert time.monotonic() - t0 < 10, "the engine kept stepping without its worker"
+    assert time.monotonic() - t0 < 5
+    # The engine stays failed: every later step says so at once.
+    t1 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="worker 1 died"):
+        engine.step()
+    assert time.monotonic() - t1 < 1
+    llm.shutdown()
+
+
+DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from travelator import LLM
+    llm = LLM("dummy:tiny", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    print(*llm.engine.runner.worker_pids, flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(0)  # no shutdown(): the exit must still stop the worker
+    time.sleep(60)
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_no_orphan_workers(how, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid = int(proc.stdout.readline())
+        if how == "sigkill":
+            proc.kill()
+        proc.wait(timeout=20)
+        deadline = time.monotonic() + 5
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid), f"worker {pid} outlived its driver ({how})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pid is not None and not _gone(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,159 @@
+"""The ranks of one tensor-parallel engine and the collectives between them.
+
+The groups are built straight from a store (no ``init_process_group``): no process-wide
+default group, so several engines can live in one process and a broken one leaves
+nothing behind.
+
+Two groups over the same ranks:
+- ``data``: the collectives inside the model (all-reduce after the row-parallel
+  projections and the embedding, gather of the vocabulary-split logits). gloo on CPU,
+  NCCL on CUDA. Its timeout bounds how long a rank waits for a peer inside a step.
+- ``ctrl``: gloo, for the driver's step messages (pickled objects). Workers wait on it
+  between steps, while the engine may be idle for hours, so it has no practical timeout;
+  a peer that dies is still noticed at once (gloo reports the closed connection).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# How long a rank waits on a peer inside one collective of a step (env override, seconds).
+DATA_TIMEOUT_S = float(os.environ.get("TRAVELATOR_TP_TIMEOUT", "600"))
+_CTRL_TIMEOUT = datetime.timedelta(days=3650)
+
+
+@dataclass(slots=True)
+class LaunchEnv:
+    """What torchrun (or the engine's own launcher) puts in the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def launch_env() -> LaunchEnv | None:
+    """The torchrun-style environment, or None when the process was not launched so."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    return LaunchEnv(rank, world, int(env.get("LOCAL_RANK", rank)), env["MASTER_ADDR"],
+                     int(env["MASTER_PORT"]))
+
+
+def connect_store(env: LaunchEnv, timeout_s: float = DATA_TIMEOUT_S) -> dist.Store:
+    """The rendezvous store of ``env`` (torchrun's agent store when it hosts one)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(dist.rendezvous(
+        f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}",
+        timeout=timeout))
+    return dist.PrefixStore("travelator/", store)
+
+
+class TPGroup:
+    """One engine's ranks: ``rank`` of ``size``; rank 0 is the driver."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+        self._store = store
+        self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl/", store), rank, size, _CTRL_TIMEOUT)
+        self.data: Any = None
+        self.device = torch.device("cpu")
+
+    def connect_data(self, device: torch.device) -> None:
+        """Build the data group for ``device`` (collective: every rank calls it)."""
+        timeout = datetime.timedelta(seconds=DATA_TIMEOUT_S)
+        store = dist.PrefixStore("data/", self._store)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
+            opts._timeout = timeout
+            self.data = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
+        else:
+            self.data = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
+        self.device = device
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    # ---- tensors (inside the model) -----------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        self.data.allreduce([x]).wait()
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` along ``dim`` on the driver; None elsewhere."""
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.data.gather([parts], [x], opts).wait()
+            return torch.cat(parts, dim=dim)
+        self.data.gather([], [x], opts).wait()
+        return None
+
+    # ---- objects (the driver's messages) ---------------------------------------------
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Send ``obj`` from the driver to every rank; returns it on every rank."""
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size = torch.tensor([len(data)], dtype=torch.long)
+            self.ctrl.broadcast(size, 0).wait()
+            self.ctrl.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+            return obj
+        size = torch.empty(1, dtype=torch.long)
+        self.ctrl.broadcast(size, 0).wait()
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.ctrl.broadcast(buf, 0).wait()
+        return pickle.loads(buf.numpy().tobytes())
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on the driver; None elsewhere."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(data)], dtype=torch.long)
+        sizes = [torch.empty(1, dtype=torch.long) for _ in range(self.size)]
+        self.ctrl.allgather([sizes], [size]).wait()
+        width = max(int(s.item()) for s in sizes)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank != 0:
+            self.ctrl.gather([], [buf], opts).wait()
+            return None
+        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
+        self.ctrl.gather([bufs], [buf], opts).wait()
+        return [pickle.loads(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+    def abort(self) -> None:
+        """Break pending NCCL collectives (a peer is gone); gloo notices by itself."""
+        abort = getattr(self.data, "abort", None)
+        if abort is not None and self.device.type == "cuda":
+            try:
+                abort()
+            except Exception:  # best effort on a group that is already broken
+                pass
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    if size < 1:
+        raise ValueError("tensor_parallel_size must be positive")
+    bad = [f"{what} ({n})" for what, n in (("attention heads", num_heads),
+                                          ("KV heads", num_kv_heads),
+                                          ("MLP intermediate size", intermediate_size)) if n % size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's "
+                         f"{', '.join(bad)}; each rank holds an equal share of the heads")

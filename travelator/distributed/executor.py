@@ -1,0 +1,301 @@
+"""The driver's side of tensor parallelism (Orca's split of control and data).
+
+The engine process is rank 0, the driver: it schedules, once, and samples, once. Each
+step it sends every worker only the small step description (the ``SchedulerOutput``:
+new requests in full, running ones as changes, freed ids) plus the tokens it sampled in
+the previous step, over the gloo control group. Then every rank runs the same step on its
+shard; the tensors move over the data group (all-reduces inside the model, the gather of
+the vocabulary-split logits to the driver). Every rank therefore executes exactly the
+same schedule (DESIGN invariant 9), and the workers' copies of the sequences stay equal
+to the driver's.
+
+A worker that dies breaks the group: gloo reports the closed connection at once, the
+executor turns that into ``TensorParallelError("tensor-parallel worker 1 died (exit code
+-9)")``, stops the other workers, and refuses every later step. The engine re-raises it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from travelator.config import ModelConfig, ParallelConfig
+from travelator.distributed.comm import (
+    DATA_TIMEOUT_S,
+    LaunchEnv,
+    TPGroup,
+    check_divisible,
+    connect_store,
+    launch_env,
+)
+from travelator.distributed.worker import STOP, Worker, WorkerSpec, rank_device, run_worker
+from travelator.engine.model_runner import ModelRunner
+from travelator.engine.scheduler import SampledToken
+from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.model.arch import ModelArch
+from travelator.model.loader import WeightIterator
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group is broken (a worker died, a collective failed): the
+    engine cannot go on."""
+
+
+def make_runner(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
+                weights: WeightIterator | None, *, dtype: torch.dtype, kv_dtype: torch.dtype,
+                device: torch.device, max_model_len: int, seed: int,
+                eos_token_ids: frozenset[int]) -> ModelRunner | TPExecutor:
+    """A plain ModelRunner for one rank, or the driver of a tensor-parallel group.
+
+    Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank but 0
+    becomes a worker here and never returns: it serves the driver's steps and then
+    exits the process.
+    """
+    size = parallel.tensor_parallel_size
+    env = launch_env()
+    if env is None and size == 1:
+        return ModelRunner(arch, weights, dtype=dtype, kv_dtype=kv_dtype, device=device,
+                           max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids)
+    check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
+    if env is not None and env.world_size != size:
+        raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
+                         f"is {size}: pass --tensor-parallel-size {env.world_size}")
+    if env is not None and env.rank != 0:
+        run_worker(env)
+        raise SystemExit(0)
+    spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
+                      max_model_len, seed, eos_token_ids)
+    return TPExecutor(spec, arch, weights, size, env)
+
+
+class _Group:
+    """What the clean-up needs, kept apart from the executor so a finalizer can hold it."""
+
+    def __init__(self) -> None:
+        self.group: TPGroup | None = None
+        self.procs: list[subprocess.Popen] = []
+        self.graceful = True
+        # One message at a time on the control group: a step on the engine's thread and a
+        # clean-up at exit (another thread) must not interleave.
+        self.lock = threading.RLock()
+
+
+def _close(g: _Group) -> None:
+    """Stop the workers: a stop message when the group is sound, then signals."""
+    if g.group is not None and g.graceful and g.lock.acquire(timeout=5.0):
+        try:
+            g.group.broadcast_object((STOP, (), False))
+        except Exception:
+            pass
+        finally:
+            g.lock.release()
+    deadline = time.monotonic() + (5.0 if g.graceful else 0.0)
+    for p in g.procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in g.procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in g.procs:
+        try:
+            p.wait(timeout=3.0)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    g.group = None
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel group, behind the ModelRunner interface the engine uses
+    (``kv_bytes_per_block``, ``allocate_kv_cache``, ``execute``) plus ``shutdown``."""
+
+    def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
+                 size: int, env: LaunchEnv | None) -> None:
+        self.size = size
+        self._g = _Group()
+        self._finalizer = weakref.finalize(self, _close, self._g)
+        self._error: str | None = None
+        self._sampled: list[tuple[str, int]] = []
+        try:
+            self._start(spec, arch, weights, env)
+        except BaseException as exc:
+            self._g.graceful = False
+            dead = self._dead_workers()
+            self._finalizer()
+            if dead and not isinstance(exc, TensorParallelError):
+                raise TensorParallelError(self._death_message(dead) + " while starting") from exc
+            raise
+
+    def _start(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
+               env: LaunchEnv | None) -> None:
+        t0 = time.perf_counter()
+        if env is None:  # launch the workers on this machine
+            timeout = datetime.timedelta(seconds=DATA_TIMEOUT_S)
+            server = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timeout,
+                                   wait_for_workers=False)
+            store = dist.PrefixStore("travelator/", server)
+            self._server = server  # the store lives as long as the group
+            local = LaunchEnv(0, self.size, 0, "127.0.0.1", server.port)
+            self._g.procs = [self._launch(rank, local, spec.device_type)
+                             for rank in range(1, self.size)]
+            local_rank = 0
+        else:
+            store = None
+            local_rank = env.local_rank
+        group = self._watched(lambda: TPGroup(store if store is not None else connect_store(env),
+                                              0, self.size))
+        self._g.group = self.group = group
+        group.broadcast_object(spec)
+        device = rank_device(spec.device_type, local_rank)
+        self._watched(lambda: group.connect_data(device))
+        self.runner = ModelRunner(
+            arch, weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
+            max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
+            tp=group,
+        )
+        self.worker = Worker(self.runner)
+        if device.type == "cuda" and self._g.procs:
+            threading.Thread(target=self._watch_workers, name="travelator-tp-watch",
+                             daemon=True).start()
+        logger.info("tensor parallel: %d ranks (%s), driver ready in %.1f s", self.size,
+                    "local workers" if env is None else "torchrun", time.perf_counter() - t0)
+
+    # ---- start-up --------------------------------------------------------------------
+    def _launch(self, rank: int, local: LaunchEnv, device_type: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        path = [p for p in sys.path if p]
+        if env.get("PYTHONPATH"):
+            path.insert(0, env["PYTHONPATH"])
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(local.world_size), LOCAL_RANK=str(rank),
+            MASTER_ADDR=local.master_addr, MASTER_PORT=str(local.master_port),
+            TRAVELATOR_TP_PARENT_PID=str(os.getpid()), PYTHONPATH=os.pathsep.join(path),
+        )
+        if device_type == "cpu" and "TRAVELATOR_TP_THREADS" not in env:
+            env["TRAVELATOR_TP_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
+        return subprocess.Popen([sys.executable, "-m", "travelator.distributed"], env=env)
+
+    def _watched(self, fn: Callable[[], Any]) -> Any:
+        """Run a blocking rendezvous step, failing at once if a local worker dies meanwhile."""
+        result: list[Any] = []
+        error: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                result.append(fn())
+            except BaseException as e:
+                error.append(e)
+
+        t = threading.Thread(target=target, name="travelator-tp-rendezvous", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.05)
+            dead = self._dead_workers()
+            if dead:
+                raise TensorParallelError(self._death_message(dead) + " while starting")
+        if error:
+            raise TensorParallelError(f"tensor-parallel start-up failed: {error[0]}") from error[0]
+        return result[0]
+
+    def _watch_workers(self) -> None:
+        """On CUDA a dead peer can stall NCCL collectives: abort them when a worker dies."""
+        while self._g.group is not None and self._error is None:
+            if self._dead_workers():
+                self.group.abort()
+                return
+            time.sleep(0.5)
+
+    # ---- failures ----------------------------------------------------------------------
+    def _dead_workers(self) -> list[tuple[int, int]]:
+        return [(rank, p.returncode) for rank, p in enumerate(self._g.procs, start=1)
+                if p.poll() is not None]
+
+    @staticmethod
+    def _death_message(dead: list[tuple[int, int]]) -> str:
+        return "; ".join(f"tensor-parallel worker {rank} died (exit code {code})"
+                         for rank, code in dead)
+
+    def _broken(self, exc: BaseException | None) -> TensorParallelError:
+        """Record why the group broke, stop the workers, and make the error to raise."""
+        dead = self._dead_workers()
+        deadline = time.monotonic() + 2.0
+        while not dead and self._g.procs and exc is not None and time.monotonic() < deadline:
+            time.sleep(0.02)  # a killed peer's connection closes just before it is reaped
+            dead = self._dead_workers()
+        if dead:
+            msg = self._death_message(dead)
+        elif self._g.procs:
+            msg = f"tensor-parallel step failed: {type(exc).__name__}: {exc}"
+        else:
+            msg = f"tensor-parallel step failed (did a rank die?): {type(exc).__name__}: {exc}"
+        self._error = msg
+        logger.error("%s; stopping the tensor-parallel workers", msg)
+        self._g.graceful = False
+        if self._g.group is not None:
+            self._g.group.abort()
+        self._finalizer()
+        return TensorParallelError(msg)
+
+    def _ensure_alive(self) -> None:
+        if self._error is not None:
+            raise TensorParallelError(self._error)
+        if self._dead_workers():
+            raise self._broken(None)
+
+    # ---- the ModelRunner interface -------------------------------------------------------
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.runner.kv_bytes_per_block(block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.call("allocate_kv_cache", num_blocks, block_size)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        with self._g.lock:
+            self._ensure_alive()
+            sampled, self._sampled = self._sampled, []
+            try:
+                self.group.broadcast_object(("step", (out, sampled), False))
+                result = self.runner.execute(out)
+            except Exception as exc:
+                raise self._broken(exc) from exc
+            self._sampled = [(rid, tok.token_id) for rid, tok in result.items()]
+            return result
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Run a ``Worker`` method on every rank; the results in rank order."""
+        with self._g.lock:
+            self._ensure_alive()
+            try:
+                self.group.broadcast_object((method, args, True))
+                results = self.group.gather_objects(getattr(self.worker, method)(*args))
+            except Exception as exc:
+                raise self._broken(exc) from exc
+            assert results is not None
+            return results
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers this engine launched (empty under torchrun)."""
+        return [p.pid for p in self._g.procs]
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent; also runs at garbage collection and exit)."""
+        with self._g.lock:
+            if self._error is None:
+                self._error = "the tensor-parallel engine has been shut down"
+        self._finalizer()

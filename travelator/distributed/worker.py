@@ -1,0 +1,163 @@
+"""A tensor-parallel rank other than the driver: it holds its shard of the weights and
+its own KV cache (its share of the KV heads), keeps its own copy of each running
+request's tokens, and runs each step the driver describes. It never schedules and
+never samples: the driver does both, once.
+
+Start one with ``python -m travelator.distributed`` in a torchrun-style
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The engine's own
+launcher does that for one machine; under ``torchrun`` the engine's constructor turns
+every rank but 0 into a worker (see executor.make_runner).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from travelator.distributed.comm import LaunchEnv, TPGroup, connect_store, launch_env
+from travelator.engine.model_runner import ModelRunner
+from travelator.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+STOP = "stop"  # the method name of the last message
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker needs to build its shard; sent by the driver once, after rendezvous."""
+
+    model: str
+    load_format: str
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device_type: str
+    max_model_len: int
+    seed: int
+    eos_token_ids: frozenset[int]
+
+
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device(device_type)
+
+
+class Worker:
+    """The rank-local operations, the same on every rank (the driver has one too).
+
+    A message from the driver is ``(method, args, reply)``: the named method runs on every
+    rank, and with ``reply`` the results are gathered on the driver.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def step(self, out: SchedulerOutput, sampled: list[tuple[str, int]]) -> None:
+        """Run one step without sampling: the driver samples from the gathered logits.
+
+        ``sampled`` are the tokens the driver sampled in the previous step; they extend
+        this rank's copies of the sequences before the step's changes apply, exactly as
+        they extended the driver's when it sampled them.
+        """
+        r = self.runner
+        for rid, token in sampled:
+            r.states[rid].token_ids.append(token)
+        r._apply_changes(out)
+        if out.is_empty:
+            return
+        inputs = r._prepare(out)
+        hidden = r.model(inputs.input_ids, inputs.positions, r.kv_caches, inputs.meta)
+        if inputs.sampled_ids:  # this rank's vocabulary slice of the logits goes to the driver
+            r.model.compute_logits(hidden[inputs.logits_indices])
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: its weights and its KV cache."""
+        r = self.runner
+        return {
+            "weights": sum(p.numel() * p.element_size() for p in r.model.parameters()),
+            "kv_cache": sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                            for k, v in r.kv_caches),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the engine process that launched us is gone (no orphans)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def run_worker(env: LaunchEnv | None = None) -> None:
+    """Serve the driver's steps until it says stop (or goes away)."""
+    env = env or launch_env()
+    if env is None:
+        raise RuntimeError("a tensor-parallel worker needs RANK, WORLD_SIZE, MASTER_ADDR and "
+                           "MASTER_PORT in its environment (torchrun sets them)")
+    if env.rank == 0:
+        raise RuntimeError("rank 0 is the driver: it runs the engine, not the worker loop")
+    parent = os.environ.get("TRAVELATOR_TP_PARENT_PID")
+    if parent:  # launched by the engine on this machine
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+        threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+    threads = os.environ.get("TRAVELATOR_TP_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+    group = TPGroup(connect_store(env), env.rank, env.world_size)
+    spec: WorkerSpec = group.broadcast_object()
+    device = rank_device(spec.device_type, env.local_rank)
+    group.connect_data(device)
+
+    from travelator.model.loader import open_model
+
+    source = open_model(spec.model, spec.load_format)
+    runner = ModelRunner(
+        source.arch, source.weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
+        max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
+        tp=group,
+    )
+    worker = Worker(runner)
+    while True:
+        method, args, reply = group.broadcast_object()
+        if method == STOP:
+            break
+        result = getattr(worker, method)(*args)
+        if reply:
+            group.gather_objects(result)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("TRAVELATOR_LOG_LEVEL", "WARNING"))
+    try:
+        run_worker()
+    except Exception as exc:
+        rank = os.environ.get("RANK")
+        if "gloo" in str(exc):  # how a worker learns that the driver (or a peer) is gone
+            print(f"travelator tensor-parallel worker {rank}: lost the group ({exc}); exiting",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"travelator tensor-parallel worker {rank} failed:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
