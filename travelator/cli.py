@@ -101,6 +101,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace,
     )
+    if args.enable_debug_endpoints:
+        settings.enable_debug_endpoints = True
+    if args.step_timeout is not None:
+        settings.step_timeout_s = args.step_timeout
     settings.validate()
     llm = LLM(model, **engine_kwargs(args))
     app = build_app(AsyncEngine(llm.engine), settings)
@@ -144,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-grace", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    srv.add_argument("--enable-debug-endpoints", action="store_true",
+                     help="serve GET /debug/engine (block pool and request accounting); "
+                          "also TRAVELATOR_DEBUG_ENDPOINTS=1")
+    srv.add_argument("--step-timeout", type=float, default=None,
+                     help="seconds after which a step that has not returned marks the engine stuck "
+                          "(503 on /health, server exits 1); also TRAVELATOR_STEP_TIMEOUT_S")
     srv.set_defaults(func=cmd_serve)
     return parser
 

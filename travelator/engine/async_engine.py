@@ -5,16 +5,29 @@ thread (``LLMEngine.make_request`` changes no engine state), hands it over throu
 command queue, and reads that request's outputs from an asyncio queue. The step
 thread owns the engine: only it adds, aborts and steps. torch releases the GIL in its
 kernels, so the event loop keeps serving while a step runs.
+
+Watchdog: a step whose model run raises fails only that step's requests (``LLMEngine.step``
+finishes them with ``finish_reason="error"``) and the loop goes on. Anything else that escapes a
+step kills the loop: every waiting stream gets the exception (no client hangs), ``healthy`` turns
+False, and ``death_listeners`` run (the server uses them to exit non-zero). ``step_started``
+tells how long the current step has been running, so a stuck step can be noticed too.
+
+Self-checks: ``run_on_step_thread(fn)`` runs ``fn`` on the step thread between two steps and
+hands back its result, so a reader never sees half-updated engine state; ``self_check()``
+uses it to report the KV pool's accounting and anything leaked (see ``engine_self_check``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from travelator.engine.engine import LLMEngine, StepStats
 from travelator.engine.outputs import RequestOutput
@@ -38,7 +51,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
 _STOP = object()
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -52,6 +72,11 @@ class AsyncEngine:
         self._accepting = True
         # Called on the step thread after every step (metrics); must be quick and thread-safe.
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        # Called once on the step thread when the loop dies, with the exception; must be quick.
+        self.death_listeners: list[Callable[[BaseException], None]] = []
+        # time.monotonic() when the step now running began; None between steps.
+        self.step_started: float | None = None
+        self._death_lock = threading.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +97,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def step_running_for(self) -> float:
+        """Seconds the current step has been running (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def stop_accepting(self) -> None:
         self._accepting = False
 
@@ -89,6 +119,11 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = stream
         self._commands.put(_Add(req))
+        if self.error is not None:
+            # The loop died between the check above and now: it may have failed the streams
+            # it saw before this one was registered, and nobody would ever answer this one.
+            self._streams.pop(req.request_id, None)
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         return req, stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
@@ -119,6 +154,51 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._commands.put(_Abort(rid))
 
+    # ---- reading engine state safely ----------------------------------------------------
+    def call_on_step_thread(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the step thread between two steps; a future of its result.
+
+        When the loop is not running (never started, stopped or dead) nothing else touches
+        the engine, so ``fn`` runs at once on the calling thread.
+        """
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_Call(fn, fut))
+            return fut
+        _run_call(fn, self.engine, fut)
+        return fut
+
+    async def run_on_step_thread(self, fn: Callable[[LLMEngine], T], timeout: float = 30.0) -> T:
+        """``call_on_step_thread`` for async callers; TimeoutError if no step boundary comes in time."""
+        fut = self.call_on_step_thread(fn)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), 0.25)
+            except asyncio.TimeoutError:
+                pass
+            if fut.done():
+                return fut.result()
+            if self._thread is None or not self._thread.is_alive():
+                # The loop ended after the command was queued and before it was read.
+                if fut.set_running_or_notify_cancel():
+                    _run_call(fn, self.engine, fut)
+                return fut.result()
+            if time.monotonic() > deadline:
+                fut.cancel()
+                raise TimeoutError(f"the step loop did not reach a step boundary in {timeout} s "
+                                   f"(the current step has run {self.step_running_for():.1f} s)")
+
+    async def self_check(self, timeout: float = 30.0) -> dict:
+        """The engine's own accounting, read on the step thread (see ``engine_self_check``)."""
+        report = await self.run_on_step_thread(engine_self_check, timeout)
+        report["healthy"] = self.healthy
+        report["error"] = None if self.error is None else repr(self.error)
+        report["streams"] = self.num_in_flight
+        report["idle"] = report["idle"] and report["streams"] == 0
+        report["step_running_for_s"] = round(self.step_running_for(), 3)
+        return report
+
     # ---- the step thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -127,16 +207,58 @@ class AsyncEngine:
                 if not self._drain_commands(block):
                     return
                 if self.engine.has_unfinished_requests():
+                    self.step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self.step_started = None
                     self._deliver(outputs)
                     if self.engine.last_step is not None:
-                        for listener in self.step_listeners:
-                            listener(self.engine.last_step, outputs)
+                        self._notify_step(self.engine.last_step, outputs)
         except BaseException as exc:  # the loop died: fail everyone, never hang them
             logger.exception("the step loop died")
+            self._die(exc)
+        finally:
+            self.step_started = None
+            self._answer_leftovers()
+
+    def declare_dead(self, exc: BaseException) -> None:
+        """Give up on the step loop from another thread (a watchdog saw a step stuck): every
+        waiting stream gets ``exc``, ``healthy`` turns False and the death listeners run."""
+        logger.error("the step loop is declared dead: %r", exc)
+        self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._death_lock:
+            if self.error is not None:
+                return
             self.error = exc
-            for rid in list(self._streams):
-                self._push(rid, exc)
+        for rid in list(self._streams):
+            self._push(rid, exc)
+        for listener in self.death_listeners:
+            try:
+                listener(exc)
+            except Exception:  # noqa: BLE001 - the loop is gone already; say so and go on
+                logger.exception("a death listener failed")
+
+    def _notify_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        for listener in self.step_listeners:
+            try:
+                listener(stats, outputs)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+                logger.exception("a step listener failed")
+
+    def _answer_leftovers(self) -> None:
+        """Answer what is still queued when the loop ends: calls run (the engine is quiescent
+        now), requests that never reached the engine are failed rather than left waiting."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                _run_call(cmd.fn, self.engine, cmd.future)
+            elif isinstance(cmd, _Add):
+                self._push(cmd.request.request_id,
+                           self.error or EngineDeadError("the engine stopped before this request ran"))
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False when asked to stop."""
@@ -156,6 +278,9 @@ class AsyncEngine:
                         self._push(cmd.request.request_id, exc)
             elif isinstance(cmd, _Abort):
                 self._deliver(self.engine.abort_request([cmd.request_id]))
+            elif isinstance(cmd, _Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    _run_call(cmd.fn, self.engine, cmd.future)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -168,4 +293,94 @@ class AsyncEngine:
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(stream.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is left to read it
+            pass
+
+
+def _run_call(fn: Callable[[LLMEngine], Any], engine: LLMEngine, fut: concurrent.futures.Future) -> None:
+    try:
+        fut.set_result(fn(engine))
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        fut.set_exception(exc)
+
+
+def engine_self_check(engine: LLMEngine) -> dict:
+    """The engine's accounting, for leak hunting. Call it with the engine quiescent (between
+    steps, on the step thread: ``AsyncEngine.self_check``).
+
+    Reports the KV pool (free + used = total, blocks per owning request), the scheduler's
+    queues, ``KVCacheManager.check_consistency()``, and ``problems``: state that no live request
+    accounts for (blocks owned by unknown requests or by nobody, detokenizers or runner states
+    of finished requests, a request in no queue). ``leaked_blocks`` counts used blocks that no
+    live request holds; at rest (``idle``) every used block is leaked.
+    """
+    kv = engine.kv
+    sched = engine.scheduler
+    live = set(sched.requests)
+    owners = kv.owners()
+    problems: list[str] = []
+    try:
+        kv.check_consistency()
+        consistency = "ok"
+    except AssertionError as exc:
+        consistency = f"failed: {exc}"
+        problems.append(f"KV cache consistency check {consistency}")
+    free, used, total = kv.num_free_blocks, kv.num_used_blocks, kv.num_blocks
+    if free + used != total:
+        problems.append(f"free {free} + used {used} != total {total} blocks")
+    held = {b for rid in owners if rid in live for b in kv.block_ids(rid)}
+    unknown = {rid: n for rid, n in owners.items() if rid not in live}
+    if unknown:
+        problems.append(f"blocks held by requests the scheduler does not know: {unknown}")
+    leaked = used - len(held)
+    if leaked:
+        problems.append(f"{leaked} used blocks held by no live request")
+    queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
+    if queued != live:
+        problems.append(f"requests in no queue: {sorted(live - queued)}; "
+                        f"queued but unknown: {sorted(queued - live)}")
+    stale_detok = sorted(set(engine.detokenizers) - live)
+    if stale_detok:
+        problems.append(f"detokenizers of finished requests: {stale_detok[:10]}")
+    # The runner forgets a finished request at its next step; until then the scheduler lists it
+    # as freed, so only a state that neither side accounts for is a leak.
+    runner_states = getattr(engine.runner, "states", {})
+    pending_free = set(getattr(sched, "_freed", ()))
+    stale_runner = sorted(set(runner_states) - live - pending_free)
+    if stale_runner:
+        problems.append(f"runner states of finished requests: {stale_runner[:10]}")
+    c = engine.counters
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "idle": not live,
+        "kv": {
+            "total_blocks": total,
+            "free_blocks": free,
+            "used_blocks": used,
+            "cached_blocks": getattr(kv, "num_cached_blocks", 0),
+            "block_size": kv.block_size,
+            "free_plus_used_equals_total": free + used == total,
+            "leaked_blocks": leaked,
+            "owners": owners,
+            "consistency": consistency,
+        },
+        "requests": {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "unfinished": len(live),
+            "running_ids": [r.request_id for r in sched.running],
+            "waiting_ids": [r.request_id for r in sched.waiting],
+        },
+        "detokenizers": len(engine.detokenizers),
+        "runner_states": len(runner_states),
+        "counters": {
+            "steps": c.steps,
+            "preemptions": c.preemptions,
+            "prompt_tokens": c.prompt_tokens,
+            "generation_tokens": c.generation_tokens,
+            "finished": dict(c.finished),
+        },
+    }

@@ -257,6 +257,9 @@ class LLMEngine:
         except TensorParallelError:
             raise  # a worker is gone: the engine cannot go on
         except Exception as exc:  # a failed step must not take the other requests down
+            # The runner may not have applied this step's changes: announce the freed ids
+            # again, so it drops their state next step (dropping is idempotent).
+            self.scheduler.return_freed(out.freed_request_ids)
             logger.error("step failed; failing its %d requests:\n%s",
                          len(out.num_scheduled_tokens), traceback.format_exc())
             return self._fail_step(list(out.num_scheduled_tokens), exc)

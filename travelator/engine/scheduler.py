@@ -164,6 +164,10 @@ class SchedulerBase:
     def _least_important(self, candidates: list[Request]) -> Request:
         return candidates[-1]  # the most recently admitted
 
+    def return_freed(self, request_ids: list[str]) -> None:
+        """A step failed before the runner saw them: announce these ids again next step."""
+        self._freed.extend(request_ids)
+
     def _start_output(self) -> SchedulerOutput:
         out = SchedulerOutput(freed_request_ids=self._freed)
         self._freed = []

@@ -5,12 +5,20 @@ step loop on the serving event loop and stops it at shutdown. Routes:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not)
 - ``GET /v1/models``, ``GET /v1/models/{model}``
-- ``GET /health`` (200 while the step loop runs, 503 when it died or the server is draining)
+- ``GET /health`` (200 while the step loop runs, 503 when it died, when a step has run past
+  ``settings.step_timeout_s``, or when the server is draining)
 - ``GET /metrics`` (Prometheus text, this app's own registry)
+- ``GET /debug/engine`` only with ``settings.enable_debug_endpoints``: the engine's self-check
+  (KV blocks free, used and per owner, queues, the pool's consistency check, leaks), read on the
+  step thread between two steps
 
 With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise);
 ``/health`` and ``/metrics`` stay open for probes and scrapers. Every error is an OpenAI-style
 JSON body (see ``errors.py``).
+
+The completion endpoints read and validate their bodies themselves (``read_body``), so the
+OpenAPI schema is told about the bodies explicitly (``_body_schema``): clients and fuzzers
+(tests/test_fuzz_api.py) generate requests from ``/openapi.json``.
 """
 
 from __future__ import annotations
@@ -22,13 +30,23 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from travelator.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from travelator.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
 
@@ -64,6 +82,50 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Bas
         raise from_validation_error(exc) from None
 
 
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(request_model: type[BaseModel], response_model: type[BaseModel]) -> dict:
+    """OpenAPI for a route that reads its own body: the JSON request body, the JSON or
+    server-sent-event answer, and the error bodies."""
+    def ref(model: type[BaseModel]) -> dict:
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request_model)}}},
+        "responses": {
+            "200": {"description": "the completion, or with stream=true server-sent events of chunks",
+                    "content": {"application/json": {"schema": ref(response_model)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            "400": {"description": "invalid request", **error},
+            "401": {"description": "missing or wrong API key", **error},
+            "404": {"description": "unknown model", **error},
+            "413": {"description": "request body too large", **error},
+            "503": {"description": "overloaded, shutting down or engine stopped", **error},
+        },
+    }
+
+
+def _install_openapi(app: FastAPI) -> None:
+    models = [CompletionRequest, ChatCompletionRequest]
+    outputs = [CompletionResponse, ChatCompletionResponse, ErrorResponse]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in models]
+                                         + [(m, "serialization") for m in outputs], ref_template=_REF)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, model_schema in defs.get("$defs", {}).items():
+                components.setdefault(name, model_schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     settings.validate()
@@ -85,13 +147,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             serving.draining = True
             async_engine.stop_accepting()
             async_engine.abort_all()
-            await asyncio.to_thread(async_engine.stop)
+            # A loop declared dead may still be stuck in its step: do not wait long for it.
+            await asyncio.to_thread(async_engine.stop, 10.0 if async_engine.error is None else 1.0)
 
     app = FastAPI(title="travelator", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.settings = settings
     install_error_handlers(app)
+    _install_openapi(app)
 
     async def require_api_key(request: Request) -> None:
         if settings.api_key is None:
@@ -104,12 +168,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         req = await read_body(request, CompletionRequest, settings.max_body_bytes)
         return await serving.completions(req, request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest, settings.max_body_bytes)
         return await serving.chat(req, request)
@@ -132,9 +196,23 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         if not async_engine.healthy:
             return APIError(503, f"the engine loop is not running: {async_engine.error!r}",
                             code="engine_dead").response()
+        running_for = async_engine.step_running_for()
+        if settings.step_timeout_s is not None and running_for > settings.step_timeout_s:
+            return APIError(503, f"the engine is stuck: one step has run {running_for:.1f} s "
+                                 f"(limit {settings.step_timeout_s} s)", code="engine_stuck").response()
         if serving.draining:
             return APIError(503, "the server is shutting down", code="shutting_down").response()
         return JSONResponse({"status": "ok"})
+
+    if settings.enable_debug_endpoints:
+        @app.get("/debug/engine", dependencies=[Depends(require_api_key)])
+        async def debug_engine() -> Response:
+            """The engine's self-check, read between two steps (see ``engine_self_check``)."""
+            try:
+                report = await async_engine.self_check(timeout=30.0)
+            except TimeoutError as exc:
+                raise APIError(503, str(exc), code="engine_busy") from None
+            return JSONResponse(report)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -92,6 +92,12 @@ class ServerMetrics:
         gauge("kv_cache_usage", "Share of the KV cache blocks in use (0 to 1).", lambda: engine.kv.usage)
         gauge("kv_cache_used_blocks", "KV cache blocks in use.", lambda: engine.kv.num_used_blocks)
         gauge("kv_cache_total_blocks", "KV cache blocks in the pool.", lambda: engine.kv.num_blocks)
+        gauge("kv_cache_free_blocks", "KV cache blocks free (free + used = total).",
+              lambda: engine.kv.num_free_blocks)
+        gauge("engine_healthy", "1 while the step loop runs, 0 once it has died.",
+              lambda: 1.0 if async_engine.healthy else 0.0)
+        gauge("engine_step_running_seconds", "How long the step now running has run (0 between steps).",
+              async_engine.step_running_for)
         if hasattr(engine.kv, "num_cached_blocks"):
             gauge("kv_cache_cached_blocks", "KV blocks holding a reusable prefix (in use or free).",
                   lambda: engine.kv.num_cached_blocks)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name, "").strip()
+    return float(value) if value else None
 
 
 @dataclass(slots=True)
@@ -20,6 +30,13 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     # On SIGTERM: stop accepting, let in-flight requests run this long, then abort them.
     shutdown_grace_s: float = 10.0
+    # GET /debug/engine: the engine's own accounting (KV blocks and who holds them, queues, the
+    # pool's consistency check), read between two steps. Off unless asked for; the environment
+    # variable TRAVELATOR_DEBUG_ENDPOINTS=1 turns it on for `travelator serve`.
+    enable_debug_endpoints: bool = field(default_factory=lambda: _env_flag("TRAVELATOR_DEBUG_ENDPOINTS"))
+    # A step running longer than this makes /health answer 503 and the server exit non-zero
+    # (the loop is stuck). None: never. Environment: TRAVELATOR_STEP_TIMEOUT_S.
+    step_timeout_s: float | None = field(default_factory=lambda: _env_float("TRAVELATOR_STEP_TIMEOUT_S"))
 
     def validate(self) -> None:
         if self.max_waiting < 1:
@@ -32,5 +49,7 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be non-negative, got {self.shutdown_grace_s}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
