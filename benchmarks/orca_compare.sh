@@ -12,5 +12,5 @@ exec python -m travelator.bench.cli compare \
   --max-num-seqs 8 --max-model-len 512 \
   --workload orca --prompt-len-range 32 128 --output-len-range 1 128 \
   --num-requests 24 --workload-seed 0 --arrival-seed 0 \
-  --request-rates 0.5 1 1.5 2.5 \
+  --request-rates 0.5 1 1.5 2.5 4 8 \
   --output-dir docs/benchmarks "$@"

@@ -52,9 +52,10 @@ def test_bench_compare_writes_json_and_pngs(tmp_path, capsys):
 def test_bench_throughput_writes_json(tmp_path, capsys):
     path = tmp_path / "tp.json"
     rc = main(["throughput", *TINY, "--num-requests", "4", "--workload", "orca",
-               "--goodput", "ttft:60000", "--output-json", str(path)])
+               "--goodput", "ttft:60000", "--output-json", str(path), "--profile"])
     assert rc == 0
-    assert "Request throughput (req/s):" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Request throughput (req/s):" in printed and "=== profile ===" in printed
     report = json.loads(path.read_text())
     m = report["metrics"]
     assert m["completed"] == 4 and m["good_requests"] == 4

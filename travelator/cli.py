@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds after which a step that has not returned marks the engine stuck "
                           "(503 on /health, server exits 1); also TRAVELATOR_STEP_TIMEOUT_S")
     srv.set_defaults(func=cmd_serve)
+
+    from travelator.bench.cli import add_bench_parser  # here: it imports this module
+
+    add_bench_parser(sub)
     return parser
 
 

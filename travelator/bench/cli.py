@@ -200,6 +200,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rates = _rates(args.request_rate)
     model = None
     if args.vocab_size is None or args.base_url is None:
+        if args.base_url is not None and args.model is None:
+            print("note: prompt ids are drawn for the built-in default model's vocabulary; give "
+                  "--model or --vocab-size to match the server's model", file=sys.stderr)
         model = resolve_model(args)
     if args.vocab_size is not None:
         vocab, ctx = args.vocab_size, args.max_model_len
@@ -219,7 +222,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = ManagedServer(serve_args, startup_timeout_s=args.server_timeout,
                                log_path=args.server_log)
         print(f"starting: {' '.join(server.argv)}", file=sys.stderr)
-        server.start()
+        try:
+            server.start()
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         base_url = server.base_url
     runs = []
     failed = 0
@@ -343,6 +350,10 @@ def add_bench_parser(subparsers) -> None:
 
     cp = sub.add_parser("compare", help="Orca's experiment: static vs iteration-level scheduling "
                                         "over a sweep of request rates",
+                        description="Runs the same workload and Poisson arrivals through two engines "
+                                    "that differ only in the scheduler (--scheduler is ignored), "
+                                    "writes compare.json and two PNGs to --output-dir, and ends with "
+                                    "the throughput ratio at the same latency target.",
                         epilog=_EPILOG, formatter_class=fmt)
     add_engine_args(cp)
     _add_workload_args(cp, num_requests=32)

@@ -39,6 +39,7 @@ TABLE_COLUMNS = [
     ("mean busy seats", "mean_batch_requests", "{:.1f}"),
     ("occupancy", "time_weighted_occupancy", "{:.0%}"),
     ("preempted", "preemptions", "{:d}"),
+    ("load avg", "load_avg_end", "{:.1f}"),
 ]
 
 
@@ -265,6 +266,7 @@ def plot_occupancy(traces: dict[str, dict], max_num_seqs: int, rate: float, path
                    title: str = "") -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(len(SCHEDULERS), 1, figsize=(8, 5), dpi=110, sharey=True)
+    ymax = max([max_num_seqs] + [w for tr in traces.values() for w in tr.get("num_waiting", [])])
     for ax, sched in zip(axes, SCHEDULERS):
         tr = traces.get(sched) or {}
         busy = tr.get("num_requests", [])
@@ -283,7 +285,7 @@ def plot_occupancy(traces: dict[str, dict], max_num_seqs: int, rate: float, path
             ax.set_title(f"{_STYLE[sched]['label']}: {len(busy)} steps, "
                          f"{occ:.0%} of seat-time busy", fontsize=9)
         ax.set_ylabel("requests")
-        ax.set_ylim(0, max_num_seqs * 1.6)
+        ax.set_ylim(0, ymax * 1.35)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right", ncol=3)
     axes[-1].set_xlabel("engine step")

@@ -8,6 +8,7 @@ intended arrival time, so the time it waits for a running step to end counts.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -41,11 +42,14 @@ class RunResult:
     duration_s: float
     steps: list[StepRecord] = field(default_factory=list)
     max_num_seqs: int | None = None
+    load_avg: tuple[float, float] | None = None  # 1-minute load average at start and end
 
     def step_summary(self) -> dict:
         """Aggregate step statistics: how full the batches were, how much was recomputed."""
         if not self.steps:
             return {"num_steps": 0}
+        load = {} if self.load_avg is None else {"load_avg_start": self.load_avg[0],
+                                                  "load_avg_end": self.load_avg[1]}
         reqs = np.array([s.num_requests for s in self.steps], dtype=float)
         busy = np.array([s.duration_s for s in self.steps])
         out = {
@@ -56,6 +60,7 @@ class RunResult:
             "step_time_s": float(busy.sum()),
             "mean_step_ms": float(busy.mean() * 1000),
             "max_kv_usage": float(max(s.kv_usage for s in self.steps)),
+            **load,
         }
         if self.max_num_seqs:
             out["mean_occupancy"] = float(reqs.mean() / self.max_num_seqs)
@@ -68,7 +73,11 @@ class RunResult:
         if not self.steps:
             return {}
         cols = list(asdict(self.steps[0]))
-        return {c: [getattr(s, c) for s in self.steps] for c in cols}
+        return {c: [_compact(getattr(s, c)) for s in self.steps] for c in cols}
+
+
+def _compact(v):
+    return round(v, 5) if isinstance(v, float) else v
 
 
 def sampling_params_for(output_len: int) -> SamplingParams:
@@ -104,6 +113,7 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
     by_id: dict[str, int] = {}
     steps: list[StepRecord] = []
     bar = tqdm(total=n, desc=desc, unit="req", disable=not progress, leave=False)
+    load_start = _load_1m()
     t0 = time.perf_counter()
     nxt = 0
     done = 0
@@ -147,4 +157,13 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
                 bar.update(1)
     duration = time.perf_counter() - t0
     bar.close()
-    return RunResult(results, duration, steps, engine.config.scheduler.max_num_seqs)
+    return RunResult(results, duration, steps, engine.config.scheduler.max_num_seqs,
+                     (load_start, _load_1m()))
+
+
+def _load_1m() -> float:
+    """The machine's 1-minute load average: other work competing for the cores."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")

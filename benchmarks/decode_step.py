@@ -1,0 +1,68 @@
+"""Does attention over the paged cache dominate a decode step?
+
+Compares, on the same engine, (a) a step that computes one 64-token prompt with no
+context (a bare forward of 64 tokens) with (b) a decode step of 64 requests that
+each have about 256 tokens of context. Target: (b) costs at most 1.5x (a).
+Medians of repeated steps; whole engine steps (schedule, prepare, forward, sample,
+update), so engine overhead is included in both.
+
+    python benchmarks/decode_step.py --model dummy:llama-250m --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from travelator import LLM, SamplingParams
+
+
+def timed_step(engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="dummy:llama-250m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch,
+              max_num_batched_tokens=max(1024, args.batch), enable_prefix_caching=False)
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = engine.arch.vocab_size
+
+    def prompt(n: int) -> list[int]:
+        return [1] + [rng.randrange(3, vocab) for _ in range(n - 1)]
+
+    # (a) one prompt of `batch` tokens, no context: each step is a fresh request.
+    bare = []
+    for _ in range(args.repeats):
+        engine.add_request(prompt(args.batch), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        bare.append(timed_step(engine))
+    # (b) `batch` requests with `context` tokens each, then decode steps.
+    for _ in range(args.batch):
+        engine.add_request(prompt(args.context), SamplingParams(temperature=0, max_tokens=args.repeats + 2,
+                                                                ignore_eos=True))
+    while engine.last_step.num_decodes != args.batch:
+        engine.step()
+    decode = [timed_step(engine) for _ in range(args.repeats)]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    a, b = statistics.median(bare), statistics.median(decode)
+    print(f"{args.model} {args.dtype}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "
+          f"decode step of {args.batch} requests x ~{args.context} context {b * 1e3:.1f} ms; "
+          f"ratio {b / a:.2f} (target <= 1.5)")
+
+
+if __name__ == "__main__":
+    main()
