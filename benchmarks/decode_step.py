@@ -49,14 +49,16 @@ def main() -> None:
         engine.add_request(prompt(args.batch), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         bare.append(timed_step(engine))
     # (b) `batch` requests with `context` tokens each, then decode steps.
-    for _ in range(args.batch):
-        engine.add_request(prompt(args.context), SamplingParams(temperature=0, max_tokens=args.repeats + 2,
-                                                                ignore_eos=True))
+    # Long enough outputs that the first requests still decode when the last prefill ends.
+    steps_to_prefill = -(-args.batch * args.context // engine.config.scheduler.max_num_batched_tokens)
+    ids = [engine.add_request(prompt(args.context),
+                              SamplingParams(temperature=0, max_tokens=steps_to_prefill + 2 * args.repeats,
+                                             ignore_eos=True)).request_id
+           for _ in range(args.batch)]
     while engine.last_step.num_decodes != args.batch:
         engine.step()
     decode = [timed_step(engine) for _ in range(args.repeats)]
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.abort_request(ids)
 
     a, b = statistics.median(bare), statistics.median(decode)
     print(f"{args.model} {args.dtype}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "

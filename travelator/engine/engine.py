@@ -101,6 +101,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
+        self._phase_times = {"schedule": 0.0, "update+detokenize": 0.0}
         self._ids = itertools.count()
         logger.info(
             "model %s (%s, %.1fM parameters, %s) on %s; KV pool %d blocks x %d tokens; context %d",
@@ -246,9 +247,16 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # ---- one step ------------------------------------------------------------------
+    @property
+    def phase_times(self) -> dict[str, float]:
+        """Seconds per phase of the step, summed since start: where a step's time goes."""
+        runner = getattr(self.runner, "runner", self.runner)  # tensor parallel: the driver's
+        return {**self._phase_times, **runner.phase_times}
+
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self._phase_times["schedule"] += time.perf_counter() - t0
         if out.is_empty:
             self.runner.execute(out)  # still apply freed ids
             return []
@@ -263,8 +271,10 @@ class LLMEngine:
             logger.error("step failed; failing its %d requests:\n%s",
                          len(out.num_scheduled_tokens), traceback.format_exc())
             return self._fail_step(list(out.num_scheduled_tokens), exc)
+        t_update = time.perf_counter()
         updated = self.scheduler.update_from_output(out, sampled)
         outputs = [self._token_output(req, tok) for req, tok in updated]
+        self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, time.perf_counter() - t0)
         return outputs
 

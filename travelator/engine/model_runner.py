@@ -9,6 +9,7 @@ itself), so a step description never carries whole sequences twice.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.states: dict[str, RunnerRequestState] = {}
+        # Seconds spent per phase, summed over the run (on CUDA, kernels are asynchronous:
+        # forward time then shows up where the host first waits, in "sample").
+        self.phase_times: dict[str, float] = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
@@ -81,14 +85,20 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        t0 = time.perf_counter()
         self._apply_changes(out)
         if out.is_empty:
             return {}
         inputs = self._prepare(out)
+        t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.sampled_ids:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        t2 = time.perf_counter()
+        self.phase_times["prepare"] += t1 - t0
+        self.phase_times["forward"] += t2 - t1
         if not inputs.sampled_ids:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         states = [self.states[rid] for rid in inputs.sampled_ids]
         batch = SamplingBatch(
             params=[s.sampling_params for s in states],
@@ -107,6 +117,7 @@ class ModelRunner:
                 result.logprobs[row] if result.logprobs is not None else None,
                 result.top_logprobs[row] if result.top_logprobs is not None else None,
             )
+        self.phase_times["sample"] += time.perf_counter() - t2
         return sampled
 
     def _apply_changes(self, out: SchedulerOutput) -> None:
