@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hf_models import build_checkpoint, load_reference, reference_greedy, reference_logprobs
-from travelator import LLM, SamplingParams
+from staggered import greedy, run_staggered
+from travelator import LLM
 
 FAMILIES = {
     "llama": {},
@@ -29,10 +30,6 @@ def checkpoint(request, tmp_path_factory):
     family = "llama" if name == "llama3" else name
     path = build_checkpoint(tmp_path_factory.mktemp(name), family, **FAMILIES[name])
     return path, load_reference(path)
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
@@ -54,28 +51,6 @@ def test_logprobs_match(checkpoint):
         assert top_ids == row.topk(5).indices.tolist()
         for tok, lp in entry.top_logprobs.items():
             assert lp == pytest.approx(float(row[tok]), abs=1e-4)
-
-
-def run_staggered(llm: LLM, reqs: list[tuple[int, list[int], int]]) -> dict[str, list[int]]:
-    """Add each (arrival step, prompt, max_tokens) at its step; return outputs by index."""
-    engine = llm.engine
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
-    ids: dict[str, int] = {}
-    results: dict[int, list[int]] = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, m) = pending.pop(0)
-            ids[engine.add_request(prompt, greedy(m)).request_id] = i
-        for out in engine.step():
-            if out.finished:
-                assert out.finish_reason == "length"
-                results[ids[out.request_id]] = out.output_token_ids
-        step += 1
-        assert step < 10_000
-    engine.kv.check_consistency()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return results
 
 
 def check_against_reference(ref, llm: LLM, n: int, seed: int) -> LLM:

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from hf_models import build_checkpoint, load_reference, reference_greedy
-from travelator import LLM, SamplingParams
+from staggered import greedy, run_staggered
+from travelator import LLM
 from travelator.distributed.executor import TensorParallelError
 
 
@@ -37,35 +38,11 @@ def _one_thread_per_worker_and_a_deadline(monkeypatch):
     signal.signal(signal.SIGALRM, old)
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def make_requests(n: int, seed: int) -> list[tuple[int, list[int], int]]:
     """(arrival step, prompt, max_tokens): staggered, prompts of 3 to 60 tokens."""
     rng = random.Random(seed)
     return [(rng.randint(0, 12), [1] + [rng.randrange(3, 300) for _ in range(rng.randint(3, 60))],
              rng.randint(1, 20)) for _ in range(n)]
-
-
-def run_staggered(llm: LLM, reqs) -> dict[int, list[int]]:
-    engine = llm.engine
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
-    ids: dict[str, int] = {}
-    results: dict[int, list[int]] = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, m) = pending.pop(0)
-            ids[engine.add_request(prompt, greedy(m)).request_id] = i
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.finished:
-                results[ids[out.request_id]] = out.output_token_ids
-        step += 1
-        assert step < 10_000
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return results
 
 
 # Chunked prefill (7-token budget) and preemption (12 blocks of 8 tokens for 10 requests

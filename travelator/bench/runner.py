@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from travelator.bench.metrics import RequestResult
 from travelator.bench.workloads import Workload
+from travelator.engine.engine import StepStats
 from travelator.sampling_params import SamplingParams
 
 
@@ -25,15 +26,7 @@ class StepRecord:
     """One engine step: its end time (s since start) and the engine's StepStats."""
 
     t: float
-    num_requests: int
-    num_tokens: int
-    num_prefill_tokens: int
-    num_decodes: int
-    num_preempted: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    duration_s: float
+    stats: StepStats
 
 
 @dataclass(slots=True)
@@ -50,16 +43,16 @@ class RunResult:
             return {"num_steps": 0}
         load = {} if self.load_avg is None else {"load_avg_start": self.load_avg[0],
                                                   "load_avg_end": self.load_avg[1]}
-        reqs = np.array([s.num_requests for s in self.steps], dtype=float)
-        busy = np.array([s.duration_s for s in self.steps])
+        reqs = np.array([s.stats.num_requests for s in self.steps], dtype=float)
+        busy = np.array([s.stats.duration_s for s in self.steps])
         out = {
             "num_steps": len(self.steps),
             "mean_batch_requests": float(reqs.mean()),
-            "mean_batch_tokens": float(np.mean([s.num_tokens for s in self.steps])),
-            "preemptions": int(sum(s.num_preempted for s in self.steps)),
+            "mean_batch_tokens": float(np.mean([s.stats.num_tokens for s in self.steps])),
+            "preemptions": int(sum(s.stats.num_preempted for s in self.steps)),
             "step_time_s": float(busy.sum()),
             "mean_step_ms": float(busy.mean() * 1000),
-            "max_kv_usage": float(max(s.kv_usage for s in self.steps)),
+            "max_kv_usage": float(max(s.stats.kv_usage for s in self.steps)),
             **load,
         }
         if self.max_num_seqs:
@@ -72,8 +65,8 @@ class RunResult:
         """The step trace column by column (compact for JSON)."""
         if not self.steps:
             return {}
-        cols = list(asdict(self.steps[0]))
-        return {c: [_compact(getattr(s, c)) for s in self.steps] for c in cols}
+        rows = [{"t": s.t, **asdict(s.stats)} for s in self.steps]
+        return {c: [_compact(r[c]) for r in rows] for c in rows[0]}
 
 
 def _compact(v):
@@ -140,7 +133,7 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
         outputs = engine.step()
         t = time.perf_counter() - t0
         if record_steps and engine.counters.steps != before and engine.last_step is not None:
-            steps.append(StepRecord(t, **asdict(engine.last_step)))
+            steps.append(StepRecord(t, engine.last_step))
         for out in outputs:
             i = by_id.get(out.request_id)
             if i is None:
