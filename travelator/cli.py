@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the KV cache (auto: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--scheduler", default="iteration", choices=["iteration", "static"],
@@ -55,6 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler=args.scheduler, scheduling_order=args.scheduling_policy,
         enable_prefix_caching=not args.no_prefix_caching, device=args.device, seed=args.seed,

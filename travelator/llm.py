@@ -59,6 +59,7 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 1024,
         scheduler: str = "iteration",
@@ -70,7 +71,7 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, load_format, max_model_len, seed),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes,
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
                                       order=scheduling_order),
