@@ -258,6 +258,25 @@ def _sse(model) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
 
+async def _guarded_sse(gen: "Generation", events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Relay a response's SSE events and end them with ``[DONE]``.
+
+    An error ends the stream with an error event instead of a broken connection; the
+    generation is closed (its unfinished requests aborted) however the stream ends.
+    """
+    try:
+        async for event in events:
+            yield event
+    except (APIError, EngineDeadError) as exc:
+        yield _sse_error(exc)
+    except Exception as exc:  # a bug: still a well-formed end of stream
+        logger.exception("streaming failed")
+        yield _sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
 def _sse_error(exc: BaseException) -> str:
     err = exc if isinstance(exc, APIError) else APIError(500, str(exc), code="engine_dead")
     return f"data: {err.body().model_dump_json()}\n\n"
@@ -453,8 +472,9 @@ class OpenAIServing:
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(self._stream_completion(gen, model, created, prompts, n, k, req.echo,
-                                                       echo_text, builders, include_usage))
+            events = self._stream_completion(gen, model, created, prompts, n, k, req.echo,
+                                             echo_text, builders, include_usage)
+            return EventStream(_guarded_sse(gen, events))
 
         lps = [CompletionLogprobs() for _ in range(k)] if want_lp else None
         if want_lp and req.echo:
@@ -496,31 +516,20 @@ class OpenAIServing:
                 finish_reason=out.finish_reason if out is not None and out.finished else None,
                 stop_reason=out.stop_reason if out is not None and out.finished else None)]))
 
-        try:
-            if echo:
-                for i in range(k):
-                    lp = builders[i].prompt(prompts[i // n].token_ids) if builders else None
-                    yield chunk(i, echo_text(i), lp)
-            async for i, out in gen.outputs():
-                lp = builders[i].add(out.new_logprobs) if builders else None
-                if out.finished:
-                    finals[i] = out
-                elif not out.new_text and not (lp and lp.tokens):
-                    continue
-                yield chunk(i, out.new_text, lp, out)
-            if include_usage:
-                yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                              usage=self._usage(prompts, finals, n)))
-            yield "data: [DONE]\n\n"
-        except (APIError, EngineDeadError) as exc:
-            yield _sse_error(exc)
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # a bug: end the stream with an error event, not a broken connection
-            logger.exception("streaming failed")
-            yield _sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-            yield "data: [DONE]\n\n"
-        finally:
-            gen.close()
+        if echo:
+            for i in range(k):
+                lp = builders[i].prompt(prompts[i // n].token_ids) if builders else None
+                yield chunk(i, echo_text(i), lp)
+        async for i, out in gen.outputs():
+            lp = builders[i].add(out.new_logprobs) if builders else None
+            if out.finished:
+                finals[i] = out
+            elif not out.new_text and not (lp and lp.tokens):
+                continue
+            yield chunk(i, out.new_text, lp, out)
+        if include_usage:
+            yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                          usage=self._usage(prompts, finals, n)))
 
     # ---- /v1/chat/completions ---------------------------------------------------------
     def _chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
@@ -569,7 +578,8 @@ class OpenAIServing:
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(self._stream_chat(gen, model, created, prompt, n, texts, top_n, include_usage))
+            events = self._stream_chat(gen, model, created, prompt, n, texts, top_n, include_usage)
+            return EventStream(_guarded_sse(gen, events))
 
         lps: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
 
@@ -606,29 +616,18 @@ class OpenAIServing:
                 finish_reason=out.finish_reason if done else None,
                 stop_reason=out.stop_reason if done else None)]))
 
-        try:
-            for i in range(n):
-                yield chunk(i, DeltaMessage(role="assistant", content=""))
-            async for i, out in gen.outputs():
-                lp = _chat_logprobs(texts[i], out.new_logprobs, top_n) if texts is not None else None
-                if out.new_text or lp:
-                    yield chunk(i, DeltaMessage(content=out.new_text), lp)
-                if out.finished:
-                    finals[i] = out
-                    yield chunk(i, DeltaMessage(), None, out)
-            if include_usage:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                               usage=self._usage([prompt], finals, n)))
-            yield "data: [DONE]\n\n"
-        except (APIError, EngineDeadError) as exc:
-            yield _sse_error(exc)
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # a bug: end the stream with an error event, not a broken connection
-            logger.exception("streaming failed")
-            yield _sse_error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-            yield "data: [DONE]\n\n"
-        finally:
-            gen.close()
+        for i in range(n):
+            yield chunk(i, DeltaMessage(role="assistant", content=""))
+        async for i, out in gen.outputs():
+            lp = _chat_logprobs(texts[i], out.new_logprobs, top_n) if texts is not None else None
+            if out.new_text or lp:
+                yield chunk(i, DeltaMessage(content=out.new_text), lp)
+            if out.finished:
+                finals[i] = out
+                yield chunk(i, DeltaMessage(), None, out)
+        if include_usage:
+            yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                           usage=self._usage([prompt], finals, n)))
 
     # ---- shutdown --------------------------------------------------------------------
     def begin_shutdown(self) -> None:
