@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
 from travelator.bench.arrivals import parse_rate
+from travelator.bench.compare import jsonable
 from travelator.bench.metrics import compute_metrics, format_metrics, format_table, parse_slo
 from travelator.bench.workloads import WORKLOADS, Workload, make_workload
 from travelator.cli import add_engine_args, engine_kwargs, resolve_model
@@ -79,18 +79,8 @@ def _print_workload(w: Workload) -> None:
 def _write_json(path: str | None, obj: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(_jsonable(obj), indent=1))
+        Path(path).write_text(json.dumps(jsonable(obj), indent=1))
         print(f"wrote {path}", file=sys.stderr)
-
-
-def _jsonable(x):
-    if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def _make_engine(args: argparse.Namespace, **overrides):

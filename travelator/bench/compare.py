@@ -193,7 +193,7 @@ def run_compare(
         traces, max_num_seqs, occ_rate, out_dir / "batch_occupancy.png", title=_title(model_info)))
     json_path = out_dir / "compare.json"
     report["files"]["json"] = str(json_path)
-    json_path.write_text(json.dumps(_jsonable(report), indent=1))
+    json_path.write_text(json.dumps(jsonable(report), indent=1))
     return report
 
 
@@ -203,13 +203,14 @@ def _title(info: dict) -> str:
     return f"{info['name']} ({size} params, {info['dtype']}, {info['device']})"
 
 
-def _jsonable(x):
+def jsonable(x):
+    """The object with inf and nan floats spelled as strings, which JSON cannot hold."""
     if isinstance(x, float) and (math.isinf(x) or math.isnan(x)):
         return str(x)
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     return x
 
 
