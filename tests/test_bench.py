@@ -229,13 +229,10 @@ def test_server_gets_the_engine_options_that_were_given():
 
 
 def test_wires_into_the_main_cli():
-    """What the lead's build_parser() will do: add_bench_parser on its subparsers."""
+    """`travelator bench ...` reaches the bench commands through the main parser."""
     from travelator import cli as main_cli
     from travelator.bench import cli
 
     parser = main_cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "bench" not in sub.choices:
-        cli.add_bench_parser(sub)
     a = parser.parse_args(["bench", "throughput", "--model", "dummy:tiny", "--num-requests", "3"])
     assert a.func is cli.cmd_throughput and a.num_requests == 3
