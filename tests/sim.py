@@ -13,7 +13,7 @@ only on the sequence, never on batching.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
@@ -93,6 +93,7 @@ class SimResult:
     preemptions: int
     max_tokens_in_step: int
     max_seqs_in_step: int
+    preempted: list[str] = field(default_factory=list)  # victims in order
 
 
 def make_scheduler(policy: str, num_blocks: int, block_size: int, max_num_seqs: int,
@@ -109,6 +110,16 @@ def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100
     runner = FakeRunner(sched.kv.block_size)
     pending = sorted(arrivals, key=lambda a: a.step)
     res = SimResult({}, {}, {}, 0, 0, 0, 0)
+    preempt = sched._preempt
+
+    def checked_preempt(victim: Request) -> None:
+        # The no-thrash rule: a request that was preempted and readmitted is not
+        # preempted again before it has produced a token.
+        assert not victim.resumed_without_progress, f"{victim.request_id} preempted again before progress"
+        res.preempted.append(victim.request_id)
+        preempt(victim)
+
+    sched._preempt = checked_preempt
     step = 0
     while pending or sched.has_unfinished():
         while pending and pending[0].step <= step:

@@ -94,3 +94,9 @@ def test_corrupt_gguf(tmp_path):
 def test_kv_pool_smaller_than_context_is_refused():
     with pytest.raises(ValueError, match="KV pool holds"):
         LLM(str(STORIES), max_model_len=256, block_size=16, num_kv_blocks=4)
+
+
+def test_stop_token_ids_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 512\)"):
+        llm.generate("Once upon a time", SamplingParams(min_tokens=2, stop_token_ids=[5000]))
+    still_works(llm)

@@ -98,16 +98,15 @@ def test_priority_hand_computed_trace():
 
 def test_priority_preempts_lowest_priority_latest():
     # 4 blocks of 4 tokens. Three requests each grow to 6 tokens (2 blocks); the pool
-    # cannot hold all three, so someone is preempted: never the priority-0 one, and
-    # among the priority-1 ones the later arrival.
-    sched = make_scheduler("iteration", 4, 4, max_num_seqs=8, budget=64, order="priority")
-    arrivals = [Arrival(0, "lo1", [1, 2, 3], 3, priority=1), Arrival(0, "hi", [1, 2, 4], 3, priority=0),
-                Arrival(0, "lo2", [1, 2, 5], 3, priority=1)]
-    res = simulate(sched, arrivals)
-    assert res.preemptions >= 1
-    preempted = [r for r in ("lo1", "hi", "lo2") if res.first_scheduled[r] == 0 and res.finished[r] > 3]
-    assert "hi" not in preempted and res.finished["hi"] == 2
-    assert res.finished["lo2"] > res.finished["lo1"]
+    # cannot hold all three. "hi" arrives last, so FCFS would preempt it; by priority
+    # the victim is the latest priority-1 request, "lo2", and "hi" never is.
+    arrivals = [Arrival(0, "lo1", [1, 2, 3], 3, priority=1), Arrival(0, "lo2", [1, 2, 5], 3, priority=1),
+                Arrival(0, "hi", [1, 2, 4], 3, priority=0)]
+    by_priority = simulate(make_scheduler("iteration", 4, 4, 8, 64, order="priority"), arrivals)
+    assert by_priority.preempted and set(by_priority.preempted) == {"lo2"}
+    assert by_priority.finished["hi"] == 2
+    fcfs = simulate(make_scheduler("iteration", 4, 4, 8, 64), arrivals)
+    assert fcfs.preempted[0] == "hi"
 
 
 def test_big_waiting_request_is_overtaken_a_bounded_number_of_times():

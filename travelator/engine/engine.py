@@ -184,6 +184,8 @@ class LLMEngine:
         vocab = self.arch.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         n = len(token_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -282,12 +284,10 @@ class LLMEngine:
         c = self.counters
         c.steps += 1
         c.preemptions += out.num_preempted
-        decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
-        total = out.total_num_scheduled_tokens
-        c.computed_prompt_tokens += total - decodes
+        c.computed_prompt_tokens += out.num_prefill_tokens
         self.last_step = StepStats(
-            num_requests=len(out.num_scheduled_tokens), num_tokens=total,
-            num_prefill_tokens=total - decodes, num_decodes=decodes,
+            num_requests=len(out.num_scheduled_tokens), num_tokens=out.total_num_scheduled_tokens,
+            num_prefill_tokens=out.num_prefill_tokens, num_decodes=out.num_decodes,
             num_preempted=out.num_preempted, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_usage=self.kv.usage, duration_s=duration,
         )

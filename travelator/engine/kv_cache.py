@@ -183,6 +183,9 @@ class KVCacheManager:
             self._ref_cnt[block] -= 1
             if self._ref_cnt[block] == 0:
                 self._free[block] = None
+                if self._block_key[block] is None:
+                    # Nothing reusable in it: hand it out before any cached block.
+                    self._free.move_to_end(block, last=False)
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_prompt_tokens

@@ -103,11 +103,14 @@ class SchedulerBase:
     def schedule(self) -> SchedulerOutput:
         raise NotImplementedError
 
-    def _schedule_tokens(self, req: Request, budget: int) -> int | None:
+    def _schedule_tokens(self, req: Request, budget: int, reserve_all: bool = False) -> int | None:
         """Allocate blocks for the request's next tokens within ``budget``.
 
-        A request holding no blocks first takes its cached prefix. Returns the number
-        of tokens to compute, or None (changing nothing) when the pool is too full.
+        A request holding no blocks first takes its cached prefix. With
+        ``reserve_all`` it gets blocks for all its known tokens at once (a resumed
+        request: its recompute then never asks for blocks, so it cannot be the one
+        that triggers a preemption before it makes progress). Returns the number of
+        tokens to compute, or None (changing nothing) when the pool is too full.
         """
         cached: list[int] = []
         computed = req.num_computed_tokens
@@ -115,7 +118,8 @@ class SchedulerBase:
             cached = self.kv.find_cached_prefix(req)
             computed = len(cached) * self.kv.block_size
         n = min(req.num_tokens - computed, budget)
-        if self.kv.allocate_slots(req, computed + n, cached) is None:
+        target = req.num_tokens if reserve_all else computed + n
+        if self.kv.allocate_slots(req, target, cached) is None:
             return None
         if req.num_computed_tokens == 0 and req.num_preemptions == 0:
             req.num_cached_prompt_tokens = computed
@@ -153,13 +157,20 @@ class SchedulerBase:
     def _pick_victim(self, i: int) -> Request:
         """The request to preempt so that running[i] can go on.
 
-        Only requests not yet scheduled this step (running[i:]) qualify. A request
-        that was preempted and has not produced a token since is spared while any
-        other choice exists, so it cannot thrash.
+        Only requests not yet scheduled this step qualify, least important first. A
+        request that was preempted and has not produced a token since is spared: if
+        every later request is such a one, running[i] yields itself instead (it is
+        never one itself, since a resumed request holds blocks for its whole
+        recompute and asks for none until it has produced a token).
         """
-        candidates = self.running[i:]
-        spared = [r for r in candidates if not r.resumed_without_progress]
-        return self._least_important(spared or candidates)
+        later = self.running[i + 1:]
+        spared = [r for r in later if not r.resumed_without_progress]
+        if spared:
+            return self._least_important(spared)
+        req = self.running[i]
+        if later and req.resumed_without_progress:  # cannot happen; never deadlock if it does
+            return self._least_important(later)
+        return req
 
     def _least_important(self, candidates: list[Request]) -> Request:
         return candidates[-1]  # the most recently admitted
@@ -198,6 +209,12 @@ class SchedulerBase:
             )
             self._known_by_runner.add(rid)
         out.num_scheduled_tokens[rid] = num_new_tokens
+        # A decode computes exactly the one token it sampled last; anything else is
+        # prompt (or recomputed output) being prefilled.
+        if num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1:
+            out.num_decodes += 1
+        else:
+            out.num_prefill_tokens += num_new_tokens
         if req.times.first_scheduled is None:
             req.times.first_scheduled = time.monotonic()
 
@@ -264,7 +281,7 @@ class IterationScheduler(SchedulerBase):
                 break
             if any(b.num_overtaken >= self.config.max_overtakes for b in blocked):
                 break
-            n = self._schedule_tokens(req, budget)
+            n = self._schedule_tokens(req, budget, reserve_all=req.status == RequestStatus.PREEMPTED)
             if n is None:
                 blocked.append(req)
                 continue

@@ -38,6 +38,8 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since last step).
     freed_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
+    num_decodes: int = 0  # requests computing just their last sampled token
+    num_prefill_tokens: int = 0  # tokens of prompts, or of outputs being recomputed
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -84,6 +84,10 @@ class PagedAttention:
         qh = q.transpose(0, 1)  # [H, n, D]
         if chunk.context_len == 0:
             # No cached prefix: keys are exactly this chunk, top-left causal is right.
+            # Round them as the cache stores them, so a chunk sees the same keys whether
+            # it reads them fresh or from the cache (a KV dtype below the model's).
+            if k_cache.dtype != k.dtype:
+                k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qh, k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True,
