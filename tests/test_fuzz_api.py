@@ -14,19 +14,17 @@ request, valid or not, ends in well under a second: a hang is a 30-second timeou
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.parse
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import torch
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paths import STORIES
+from live import serve_in_thread
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
@@ -44,30 +42,14 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)  # every request here ends in well un
 
 @pytest.fixture(scope="module")
 def server():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=16, max_model_len=64)
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, ServerSettings(max_n=4, max_choices_per_request=8, max_body_bytes=64 * 1024,
                                                  enable_debug_endpoints=True))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=srv.run, name="fuzz-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serve_in_thread(app, name="fuzz-uvicorn", log_level="error") as url:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
             schema = http.get("/openapi.json").json()
             yield SimpleNamespace(url=url, http=http, schema=schema, engine=llm.engine)
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
-    assert not thread.is_alive()
 
 
 def _body_strategy(schema: dict, name: str):

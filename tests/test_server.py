@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from paths import STORIES
+from live import serve_in_thread
 from travelator import LLM, SamplingParams
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
@@ -34,12 +31,6 @@ BODY_LIMIT = 64 * 1024
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -69,30 +60,13 @@ def wait_idle(base_url: str, baseline_blocks: float, timeout: float) -> float:
 
 @pytest.fixture(scope="module")
 def server():
-    # The test machine is small and shared: one torch thread beats two fighting for cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=1024)
     async_engine = AsyncEngine(llm.engine)
     settings = ServerSettings(served_model_names=[MODEL], api_key=API_KEY, max_body_bytes=BODY_LIMIT)
     app = build_app(async_engine, settings)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with serve_in_thread(app, log_level="warning") as url:
         yield SimpleNamespace(url=url, engine=llm.engine, async_engine=async_engine,
                               tokenizer=llm.engine.tokenizer)
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
-    assert not thread.is_alive()
     assert not async_engine.healthy  # the lifespan stopped the step loop
 
 

@@ -9,15 +9,12 @@ The long run (2,000+ requests) is not part of CI: see docs/reliability.md.
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
 from paths import STORIES
+from live import serve_in_thread
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine, engine_self_check
 from travelator.server.app import build_app
@@ -46,23 +43,9 @@ def test_short_soak_loses_nothing(capsys):
 
 @contextlib.contextmanager
 def live_server(llm: LLM, **settings):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     app = build_app(AsyncEngine(llm.engine), ServerSettings(**settings))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
-    thread = threading.Thread(target=srv.run, name="soak-uvicorn", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
-    assert not thread.is_alive()
+    with serve_in_thread(app, name="soak-uvicorn") as url:
+        yield url
 
 
 def _leak_two_blocks(llm: LLM) -> str:

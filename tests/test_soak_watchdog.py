@@ -22,10 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-import uvicorn
 
 from paths import STORIES
+from live import serve_in_thread
 from travelator import LLM
 from travelator.engine import model_runner
 from travelator.engine.async_engine import AsyncEngine
@@ -41,26 +40,11 @@ PROMPT = "Once upon a time"
 @contextlib.contextmanager
 def live_server(llm: LLM, **settings):
     """uvicorn in a thread on a free port of 127.0.0.1; yields (client, async_engine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     async_engine = AsyncEngine(llm.engine)
     app = build_app(async_engine, ServerSettings(enable_debug_endpoints=True, **settings))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
-    thread = threading.Thread(target=srv.run, name="watchdog-uvicorn", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        port = srv.servers[0].sockets[0].getsockname()[1]
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=httpx.Timeout(30, connect=5)) as http:
+    with serve_in_thread(app, name="watchdog-uvicorn") as url:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(30, connect=5)) as http:
             yield http, async_engine
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
-    assert not thread.is_alive()
 
 
 def sse_events(r: httpx.Response) -> list[str]:
