@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from travelator import kernels
 from travelator.distributed.comm import TPGroup
 from travelator.engine.scheduler import SampledToken
 from travelator.engine.scheduler_output import SchedulerOutput
 from travelator.model.arch import ModelArch
-from travelator.model.attention import AttentionMetadata, PrefillChunk
+from travelator.model.attention import AttentionBackend, AttentionMetadata
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import WeightIterator
 from travelator.model.sampler import SamplingBatch, sample
@@ -45,11 +46,27 @@ class StepInputs:
     sampled_ids: list[str]  # request ids in logits_indices order
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """"auto": the native kernel on CPU where it builds, else the torch path."""
+    if name not in ("auto", "native", "torch"):
+        raise ValueError(f"unknown attention backend {name!r}; use auto, native or torch")
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return "torch"
+    if device.type != "cpu":
+        raise ValueError("the native attention kernel runs on the CPU only")
+    if name == "native":
+        kernels.load()  # raises with the compiler's message
+        return "native"
+    return "native" if kernels.available() else "torch"
+
+
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
-                 eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
+                 attention_backend: str = "auto") -> None:
         self.arch = arch
+        self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -139,20 +156,19 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
-        # Decodes (one query each) first, so their attention is one batched call.
+        # Decodes (one query each) first: the torch fallback batches them in one call.
         items = list(out.num_scheduled_tokens.items())
-        decodes = [(rid, n) for rid, n in items if n == 1]
-        prefills = [(rid, n) for rid, n in items if n != 1]
-        ordered = decodes + prefills
+        ordered = [(rid, n) for rid, n in items if n == 1] + [(rid, n) for rid, n in items if n != 1]
+        num_decodes = sum(1 for _, n in ordered if n == 1)
 
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampled_ids: list[str] = []
-        chunks: list[PrefillChunk] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
         offset = 0
         for rid, n in ordered:
             s = self.states[rid]
@@ -164,34 +180,38 @@ class ModelRunner:
             blocks = np.asarray(s.block_ids, dtype=np.int64)
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
-            if n == 1:
-                decode_tables.append(s.block_ids[: -(-end // bs)])
-                decode_lens.append(end)
-            else:
-                table = torch.from_numpy(blocks[: -(-end // bs)]).to(self.device)
-                chunks.append(PrefillChunk(offset, n, start, table))
+            query_lens.append(n)
+            context_lens.append(start)
+            tables.append(s.block_ids[: -(-end // bs)])
             if end == len(s.token_ids):  # reached the end: sample (invariant 5)
                 logits_indices.append(offset + n - 1)
                 sampled_ids.append(rid)
             offset += n
 
         dev = self.device
-        decode_block_tables = decode_mask = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            table = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                table[i, : len(t)] = t
-            decode_block_tables = torch.from_numpy(table).to(dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1))
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(tables), width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        seq_lens = np.asarray(context_lens, dtype=np.int64) + np.asarray(query_lens, dtype=np.int64)
+        query_start = np.zeros(len(tables) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        decode_mask = None
+        if self.attention_backend == "torch" and num_decodes:
+            decode_width = max(len(t) for t in tables[:num_decodes])
+            lens = torch.from_numpy(seq_lens[:num_decodes]).to(dev)
+            decode_mask = torch.arange(decode_width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
             decode_mask = decode_mask[:, None, None, :]
         meta = AttentionMetadata(
+            backend=self.attention_backend,
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_tables),
-            decode_block_tables=decode_block_tables,
+            query_start=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            num_decodes=num_decodes,
+            query_lens=query_lens,
+            context_lens=context_lens,
             decode_mask=decode_mask,
-            prefills=chunks,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -1,35 +1,41 @@
 """Attention over the paged KV cache: the only per-request operation of a step.
 
-The flat batch is ordered decodes first (one query each), then prefill chunks.
-Decodes are handled all at once: their blocks are gathered into a padded
-[B, L] key range with a length mask, one SDPA call for the lot. Each prefill
-chunk gets its own SDPA call with a bottom-right causal mask: query i of a chunk
-that starts at position p sees keys 0..p+i (invariant 3 of DESIGN.md).
+Two backends read the same metadata:
+
+- ``native`` (default where it builds): one C++ call per layer for the whole flat
+  batch, decodes and prefill chunks of any length mixed, keys and values read in place
+  through the block tables (travelator/kernels/csrc/paged_attention.cpp). Each query row
+  is reduced over its keys in cache-block order with the same code whatever else is in
+  the step, so a request's numbers do not depend on its batch.
+- ``torch``: the fallback for machines without a compiler. The flat batch is ordered
+  decodes first; their blocks are gathered into a padded [B, L] key range with a length
+  mask, one SDPA call for the lot. Each prefill chunk gets its own SDPA call with a
+  bottom-right causal mask: query i of a chunk that starts at position p sees keys
+  0..p+i (docs/design.md, invariant 3).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(slots=True)
-class PrefillChunk:
-    query_start: int  # offset of the chunk's first query in the flat batch
-    query_len: int
-    context_len: int  # tokens already in the cache before this chunk
-    block_table: torch.Tensor  # [num_blocks] long, covers context_len + query_len
+AttentionBackend = Literal["native", "torch"]
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
+    backend: AttentionBackend
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
-    prefills: list[PrefillChunk]
+    query_start: torch.Tensor  # [B + 1] long: request r's queries are rows qs[r]..qs[r+1]
+    seq_lens: torch.Tensor  # [B] long: tokens in the cache once this step's are written
+    block_tables: torch.Tensor  # [B, width] long, padded with block 0
+    num_decodes: int  # the first num_decodes requests have one query each
+    query_lens: list[int]  # host copies, for the torch path
+    context_lens: list[int]  # tokens cached before this step, per request
+    decode_mask: torch.Tensor | None = None  # torch path: [nd, 1, 1, width * block_size] bool
 
 
 class PagedAttention:
@@ -52,15 +58,26 @@ class PagedAttention:
         kvh, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if meta.backend == "native":
+            return torch.ops.travelator.paged_attention(
+                q.contiguous(), k_cache, v_cache, meta.query_start, meta.seq_lens,
+                meta.block_tables, self.scale,
+            )
+        return self._torch_attention(q, k, v, k_cache, v_cache, meta)
 
+    # ---- the pure-torch fallback ------------------------------------------------------
+    def _torch_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        for chunk in meta.prefills:
-            s, n = chunk.query_start, chunk.query_len
+        s = nd
+        for r in range(nd, len(meta.query_lens)):
+            n = meta.query_lens[r]
             out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n],
-                                           k_cache, v_cache, chunk)
+                                           k_cache, v_cache, meta.context_lens[r],
+                                           meta.block_tables[r])
+            s += n
         return out
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -72,17 +89,20 @@ class PagedAttention:
         return g.transpose(-3, -2)  # [..., KVH, L, D]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        keys = self._gather(k_cache, meta.decode_block_tables).to(q.dtype)  # [B, KVH, L, D]
-        values = self._gather(v_cache, meta.decode_block_tables).to(q.dtype)
+        block_size = k_cache.shape[1]
+        tables = meta.block_tables[: meta.num_decodes, : meta.decode_mask.shape[-1] // block_size]
+        keys = self._gather(k_cache, tables).to(q.dtype)  # [B, KVH, L, D]
+        values = self._gather(v_cache, tables).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
             scale=self.scale, enable_gqa=True,
         )  # [B, H, 1, D]
         return o.squeeze(2)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, context_len: int,
+                 block_table: torch.Tensor) -> torch.Tensor:
         qh = q.transpose(0, 1)  # [H, n, D]
-        if chunk.context_len == 0:
+        if context_len == 0:
             # No cached prefix: keys are exactly this chunk, top-left causal is right.
             # Round them as the cache stores them, so a chunk sees the same keys whether
             # it reads them fresh or from the cache (a KV dtype below the model's).
@@ -93,10 +113,10 @@ class PagedAttention:
                 is_causal=True, scale=self.scale, enable_gqa=True,
             )
             return o.transpose(0, 1)
-        total = chunk.context_len + chunk.query_len
-        keys = self._gather(k_cache, chunk.block_table)[:, :total].to(q.dtype)
-        values = self._gather(v_cache, chunk.block_table)[:, :total].to(q.dtype)
-        q_pos = torch.arange(chunk.context_len, total, device=q.device).unsqueeze(1)
+        total = context_len + q.shape[0]
+        keys = self._gather(k_cache, block_table)[:, :total].to(q.dtype)
+        values = self._gather(v_cache, block_table)[:, :total].to(q.dtype)
+        q_pos = torch.arange(context_len, total, device=q.device).unsqueeze(1)
         k_pos = torch.arange(total, device=q.device).unsqueeze(0)
         mask = k_pos <= q_pos  # bottom-right aligned causal mask
         o = F.scaled_dot_product_attention(

@@ -1,0 +1,135 @@
+"""The native paged-attention kernel against an independent float64 reference, against
+the pure-torch fallback, and for batch invariance (a row's result never depends on what
+else is in the call, nor on how its prompt was chunked)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from travelator import kernels
+from travelator.model.attention import AttentionMetadata, PagedAttention
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
+
+
+def make_cache(num_blocks, block_size, kvh, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, kvh, d)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def reference(q, k_cache, v_cache, requests, scale):
+    """Dense float64 attention per request: query at position p sees keys 0..p."""
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kvh
+    out, row = [], 0
+    for context, n, table in requests:
+        total = context + n
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)])
+        keys = k_cache.view(-1, kvh, k_cache.shape[-1])[slots].double().repeat_interleave(group, 1)
+        vals = v_cache.view(-1, kvh, v_cache.shape[-1])[slots].double().repeat_interleave(group, 1)
+        qr = q[row : row + n].double()
+        scores = torch.einsum("nhd,khd->hnk", qr, keys) * scale
+        pos = torch.arange(context, total).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(total).unsqueeze(0) > pos, float("-inf"))
+        out.append(torch.einsum("hnk,khd->nhd", scores.softmax(-1), vals))
+        row += n
+    return torch.cat(out)
+
+
+def metadata(requests, backend, block_size):
+    """requests: (context_len, query_len, block_table) in flat order, decodes first."""
+    width = max(len(t) for _, _, t in requests)
+    tables = torch.zeros(len(requests), width, dtype=torch.long)
+    for i, (_, _, t) in enumerate(requests):
+        tables[i, : len(t)] = torch.tensor(t)
+    qlens = [n for _, n, _ in requests]
+    ctx = [c for c, _, _ in requests]
+    seq = torch.tensor([c + n for c, n, _ in requests])
+    nd = sum(1 for n in qlens if n == 1)
+    mask = None
+    if backend == "torch" and nd:
+        dw = max(len(t) for _, _, t in requests[:nd])
+        mask = (torch.arange(dw * block_size).unsqueeze(0) < seq[:nd].unsqueeze(1))[:, None, None, :]
+    return AttentionMetadata(
+        backend=backend, slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start=torch.tensor([0] + qlens).cumsum(0), seq_lens=seq, block_tables=tables,
+        num_decodes=nd, query_lens=qlens, context_lens=ctx, decode_mask=mask,
+    )
+
+
+def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    reqs = []
+    for i in range(n_decodes + n_prefills):
+        n = 1 if i < n_decodes else rng.randint(2, 40)
+        context = rng.randint(0 if i >= n_decodes else 1, 70)
+        need = -(-(context + n) // block_size)
+        table, blocks = blocks[:need], blocks[need:]
+        reqs.append((context, n, table))
+    return reqs
+
+
+def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d):
+    attn = PagedAttention(heads, kvh, d)
+    meta = metadata(reqs, backend, k_cache.shape[1])
+    # The cache already holds every key: only read it (an empty write).
+    k_new = torch.empty(0, kvh, d, dtype=q.dtype)
+    return attn(q, k_new, k_new, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),
+    (torch.float32, torch.bfloat16, 1e-5),
+    (torch.float16, torch.float16, 2e-3),
+])
+@pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20)])
+def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, heads, kvh, d):
+    rng = random.Random(block_size * 100 + d)
+    k_cache, v_cache = make_cache(200, block_size, kvh, d, kv_dtype, seed=d)
+    reqs = random_requests(rng, 200, block_size, n_decodes=5, n_prefills=4)
+    total = sum(n for _, n, _ in reqs)
+    q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    scale = d**-0.5
+    ref = reference(q, k_cache, v_cache, reqs, scale)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d)
+    fallback = attend("torch", q, k_cache, v_cache, reqs, heads, kvh, d)
+    torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_batch_or_the_chunking(dtype):
+    heads, kvh, d, bs = 8, 4, 64, 16
+    k_cache, v_cache = make_cache(300, bs, kvh, d, dtype, seed=3)
+    rng = random.Random(7)
+    # One prompt of 53 tokens at context 0, its 14 blocks at random places.
+    table = rng.sample(range(300), 4)
+    q_all = torch.randn(53, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = attend("native", q_all, k_cache, v_cache, [(0, 53, table)], heads, kvh, d)
+    # The same rows computed in chunks of 1, 5 and 17, each as a decode or a chunk with context.
+    for chunk in (1, 5, 17):
+        for start in range(0, 53, chunk):
+            n = min(chunk, 53 - start)
+            others = random_requests(rng, 300, bs, n_decodes=rng.randint(0, 6), n_prefills=rng.randint(0, 3))
+            others = [(c, m, [b for b in t if b not in table] or [299]) for c, m, t in others]
+            others = [(c, m, t) for c, m, t in others if len(t) * bs >= c + m]
+            mine = (start, n, table)
+            reqs = sorted(others + [mine], key=lambda r: r[1] != 1)  # decodes first
+            rows = []
+            q_parts = []
+            for r in reqs:
+                if r is mine:
+                    rows.append(sum(x[1] for x in q_parts))
+                    q_parts.append((q_all[start : start + n], n))
+                else:
+                    q_parts.append((torch.randn(r[1], heads, d).to(dtype), r[1]))
+            q = torch.cat([p for p, _ in q_parts])
+            out = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d)
+            got = out[rows[0] : rows[0] + n]
+            assert torch.equal(got, whole[start : start + n]), (chunk, start)

@@ -1,0 +1,80 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension tooling.
+
+The build is cached per source, torch version and CPU (it is compiled with
+``-march=native``, so a cache made on one CPU is never loaded on another). Where no
+compiler is available the engine falls back to the pure-torch path, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("paged_attention.cpp",)
+_CSRC = Path(__file__).parent / "csrc"
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    pass
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: what -march=native compiles for."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    return model + flags
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_CSRC / name).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_signature().encode())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> None:
+    """Compile (or load the cached build of) the kernels; registers torch.ops.travelator.
+
+    Raises NativeKernelsUnavailable when they cannot be built here.
+    """
+    from torch.utils import cpp_extension
+
+    key = _build_key()
+    root = Path(os.environ.get("TRAVELATOR_KERNEL_CACHE", Path.home() / ".cache" / "travelator" / "kernels"))
+    build_dir = root / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=f"travelator_kernels_{key}",
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, headers or ninja: the caller falls back
+        raise NativeKernelsUnavailable(f"native kernels could not be built: {exc}") from exc
+
+
+def available() -> bool:
+    try:
+        load()
+    except NativeKernelsUnavailable as exc:
+        log.warning("%s; using the pure-torch attention path", exc)
+        return False
+    return True

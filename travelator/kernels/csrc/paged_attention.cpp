@@ -1,0 +1,225 @@
+// Attention over the paged KV cache for one flat batch of any mix of decodes and
+// prefill chunks: one call per layer, keys and values read in place through each
+// request's block table (no gather into padded copies).
+//
+// Batch invariance by construction: every (query, head) row is reduced on its own,
+// over the keys in cache-block order (block 0, 1, ...: absolute positions, so the same
+// for a decode, a prefill chunk or a whole prompt), with the same code whatever else is
+// in the call. Work is split over threads by (request, KV head, query tile), never
+// inside a row, so the thread count and the batch change nothing in a row's result.
+//
+// Per key block: K is transposed into a float [D][bs] tile, so a row's bs scores are
+// accumulated over d in a fixed order (vectorised across keys, no horizontal sums);
+// then an online-softmax update (running max m, sum l, accumulator acc[D]).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
+
+// exp(x) for x <= 0 by range reduction (x = n ln2 + r) and a degree-6 polynomial:
+// plain float arithmetic the compiler vectorises, same result on every call.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.98756912e-4f;
+  p = p * r + 1.39819994e-3f;
+  p = p * r + 8.33345205e-3f;
+  p = p * r + 4.16657962e-2f;
+  p = p * r + 1.66666657e-1f;
+  p = p * r + 5.00000000e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct WorkItem {
+  int64_t request;
+  int64_t kv_head;
+  int64_t first_query;  // within the request's chunk
+  int64_t num_queries;
+};
+
+template <typename scalar_t, typename cache_t>
+void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
+                 const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
+                 const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 float scale) {
+  const int64_t D = head_dim, bs = block_size;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
+  const int64_t first_pos = seq_lens[w.request] - q_len;  // position of the chunk's query 0
+  const int64_t rows = w.num_queries * group;
+  // Keys visible to the tile's last query; earlier rows stop sooner (causal).
+  const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
+  const int64_t num_blocks = last_pos / bs + 1;
+
+  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kt(D * bs), vf(bs * D), s(bs);
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
+  for (int64_t i = 0; i < w.num_queries; ++i) {
+    const int64_t token = query_start[w.request] + w.first_query + i;
+    for (int64_t r = 0; r < group; ++r) {
+      const scalar_t* src = q + (token * num_heads + w.kv_head * group + r) * D;
+      float* dst = &qf[(i * group + r) * D];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+    }
+  }
+  const int64_t* table = block_tables + w.request * table_width;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t key0 = b * bs;
+    const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
+    const int64_t base = (table[b] * bs * num_kv_heads + w.kv_head) * D;
+    for (int64_t j = 0; j < valid_in_block; ++j) {
+      const cache_t* kj = k_cache + base + j * num_kv_heads * D;
+      const cache_t* vj = v_cache + base + j * num_kv_heads * D;
+      for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = static_cast<float>(kj[d]);
+      for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]);
+    }
+    for (int64_t i = 0; i < w.num_queries; ++i) {
+      const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
+      if (n_valid <= 0) continue;
+      for (int64_t r = 0; r < group; ++r) {
+        const int64_t row = i * group + r;
+        const float* qr = &qf[row * D];
+        // Scores of this row against the block's keys, summed over d in order.
+        for (int64_t j = 0; j < bs; ++j) s[j] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qr[d];
+          const float* kd = &kt[d * bs];
+          for (int64_t j = 0; j < bs; ++j) s[j] += qd * kd[j];
+        }
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n_valid; ++j) block_max = std::max(block_max, s[j]);
+        const float m_new = std::max(m[row], block_max);
+        const float alpha = exp_nonpositive(m[row] - m_new);  // 0 on the first block
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n_valid; ++j) {
+          s[j] = exp_nonpositive(s[j] - m_new);
+          sum += s[j];
+        }
+        l[row] = l[row] * alpha + sum;
+        m[row] = m_new;
+        float* a = &acc[row * D];
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        for (int64_t j = 0; j < n_valid; ++j) {
+          const float p = s[j];
+          const float* vrow = &vf[j * D];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < w.num_queries; ++i) {
+    const int64_t token = query_start[w.request] + w.first_query + i;
+    for (int64_t r = 0; r < group; ++r) {
+      const int64_t row = i * group + r;
+      scalar_t* dst = out + (token * num_heads + w.kv_head * group + r) * D;
+      const float inv = 1.0f / l[row];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
+    }
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
+         const at::Tensor& block_tables, double scale) {
+  const int64_t num_requests = seq_lens.size(0);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  std::vector<WorkItem> items;
+  for (int64_t r = 0; r < num_requests; ++r) {
+    const int64_t n = qs[r + 1] - qs[r];
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t t = 0; t < n; t += kQueryTile) items.push_back({r, h, t, std::min(kQueryTile, n - t)});
+  }
+  // Longest items first, handed out one at a time: causal tiles differ a lot in cost.
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    const int64_t ca = (seq_lens.data_ptr<int64_t>()[a.request] - (qs[a.request + 1] - qs[a.request]) +
+                        a.first_query) * a.num_queries;
+    const int64_t cb = (seq_lens.data_ptr<int64_t>()[b.request] - (qs[b.request + 1] - qs[b.request]) +
+                        b.first_query) * b.num_queries;
+    return ca > cb;
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+        attend_item<scalar_t, cache_t>(
+            items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+            v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
+            seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+            block_tables.size(1), num_heads, num_kv_heads, head_dim, block_size,
+            static_cast<float>(scale));
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
+                    const at::Tensor& block_tables, double scale) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale);
+    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale);
+    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale);
+    default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; query_start [B + 1],
+// seq_lens [B] (keys after this step's tokens are written), block_tables [B, width]:
+// all int64. Request r's queries are rows query_start[r] .. query_start[r + 1] of q, at
+// positions seq_lens[r] - q_len .. seq_lens[r] - 1; query i sees keys 0 .. its position.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& query_start, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: bad shapes");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: q and the caches must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "paged_attention: head shapes do not match");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K/V dtypes differ");
+  for (const at::Tensor* t : {&query_start, &seq_lens, &block_tables})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_attention: index tensors must be contiguous int64");
+  TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
+              "paged_attention: metadata sizes do not match");
+  at::Tensor out = at::empty_like(q);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
+    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(travelator, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start, "
+        "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
