@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.cpp",)
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp")
 _CSRC = Path(__file__).parent / "csrc"
 
 

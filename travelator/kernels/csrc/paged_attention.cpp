@@ -27,6 +27,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
@@ -49,6 +53,40 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+// AVX-512 path: 16 floats a vector. A row's numbers depend only on its own inputs
+// here too: every row goes through the same instructions in the same order.
+constexpr bool kVector = true;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for x <= 0, the same reduction and polynomial as exp_nonpositive.
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.98756912e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+constexpr bool kVector = false;
+#endif
 
 struct WorkItem {
   int64_t request;
@@ -138,6 +176,100 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
   }
 }
 
+#if defined(__AVX512F__)
+// The same work item on AVX-512, for head_dim a multiple of 16 (at most 256): K and V
+// rows are converted to float once per block and shared by the tile's rows; a row's
+// accumulator stays in registers while it takes the block's keys in order.
+template <typename scalar_t, typename cache_t>
+void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
+                     const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
+                     const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                     float scale) {
+  constexpr int64_t kMaxChunks = 16;  // head_dim <= 256
+  const int64_t D = head_dim, bs = block_size, chunks = D / 16;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
+  const int64_t first_pos = seq_lens[w.request] - q_len;
+  const int64_t rows = w.num_queries * group;
+  const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
+  const int64_t num_blocks = last_pos / bs + 1;
+  const int64_t padded_bs = (bs + 15) / 16 * 16;
+
+  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kf(bs * D), vf(bs * D), s(padded_bs);
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
+  for (int64_t i = 0; i < w.num_queries; ++i) {
+    const int64_t token = query_start[w.request] + w.first_query + i;
+    for (int64_t r = 0; r < group; ++r) {
+      const scalar_t* src = q + (token * num_heads + w.kv_head * group + r) * D;
+      float* dst = &qf[(i * group + r) * D];
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale)));
+    }
+  }
+  const int64_t* table = block_tables + w.request * table_width;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t key0 = b * bs;
+    const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
+    const int64_t base = (table[b] * bs * num_kv_heads + w.kv_head) * D;
+    for (int64_t j = 0; j < valid_in_block; ++j) {
+      const cache_t* kj = k_cache + base + j * num_kv_heads * D;
+      const cache_t* vj = v_cache + base + j * num_kv_heads * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        _mm512_storeu_ps(&kf[j * D + 16 * c], load16(kj + 16 * c));
+        _mm512_storeu_ps(&vf[j * D + 16 * c], load16(vj + 16 * c));
+      }
+    }
+    for (int64_t i = 0; i < w.num_queries; ++i) {
+      const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
+      if (n_valid <= 0) continue;
+      for (int64_t r = 0; r < group; ++r) {
+        const int64_t row = i * group + r;
+        __m512 qv[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(&qf[row * D + 16 * c]);
+        for (int64_t j = 0; j < n_valid; ++j) {
+          __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(&kf[j * D]));
+          for (int64_t c = 1; c < chunks; ++c)
+            dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(&kf[j * D + 16 * c]), dot);
+          s[j] = _mm512_reduce_add_ps(dot);
+        }
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n_valid; ++j) block_max = std::max(block_max, s[j]);
+        const float m_new = std::max(m[row], block_max);
+        const __m512 m_vec = _mm512_set1_ps(m_new);
+        for (int64_t j = 0; j < n_valid; j += 16) {
+          const __mmask16 lanes = static_cast<__mmask16>(
+              n_valid - j >= 16 ? 0xFFFF : (1u << (n_valid - j)) - 1);
+          const __m512 x = _mm512_maskz_loadu_ps(lanes, &s[j]);
+          _mm512_mask_storeu_ps(&s[j], lanes, exp16_nonpositive(_mm512_sub_ps(x, m_vec)));
+        }
+        const float alpha = _mm512_cvtss_f32(exp16_nonpositive(_mm512_set1_ps(m[row] - m_new)));
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n_valid; ++j) sum += s[j];
+        l[row] = l[row] * alpha + sum;
+        m[row] = m_new;
+        float* a = &acc[row * D];
+        for (int64_t c = 0; c < chunks; ++c) {
+          __m512 av = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(alpha));
+          for (int64_t j = 0; j < n_valid; ++j)
+            av = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_loadu_ps(&vf[j * D + 16 * c]), av);
+          _mm512_storeu_ps(a + 16 * c, av);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < w.num_queries; ++i) {
+    const int64_t token = query_start[w.request] + w.first_query + i;
+    for (int64_t r = 0; r < group; ++r) {
+      const int64_t row = i * group + r;
+      scalar_t* dst = out + (token * num_heads + w.kv_head * group + r) * D;
+      const float inv = 1.0f / l[row];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
+    }
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
@@ -160,17 +292,22 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                         b.first_query) * b.num_queries;
     return ca > cb;
   });
+  // One kernel for every row of the call: the choice depends on the shapes only.
+  const bool use_vector = kVector && head_dim % 16 == 0 && head_dim <= 256;
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-        attend_item<scalar_t, cache_t>(
-            items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
-            v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
-            seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
-            block_tables.size(1), num_heads, num_kv_heads, head_dim, block_size,
-            static_cast<float>(scale));
+        auto* item_fn = &attend_item<scalar_t, cache_t>;
+#if defined(__AVX512F__)
+        if (use_vector) item_fn = &attend_item_vec<scalar_t, cache_t>;
+#endif
+        item_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+                v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
+                seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                block_tables.size(1), num_heads, num_kv_heads, head_dim, block_size,
+                static_cast<float>(scale));
       }
     }
   });

@@ -1,0 +1,183 @@
+"""travelator against its peers on workload W, the same weights for every system.
+
+Workload W (../shared/peers/workload_w.py): 64 requests, prompts U[16,256], outputs
+U[8,256] forced to their length, all present at t=0, greedy; 8,435 output tokens. The
+model is the random-init Llama of ../shared/peers/make_random_llama.py (50m or 250m) in
+bfloat16. Each system runs in its own process, the systems interleaved, ``--repeats``
+times; the table gives every run, the median and the ratio to travelator's median, with
+the CPU and the load average before each run.
+
+    python benchmarks/vs_peers.py --preset 50m
+    python benchmarks/vs_peers.py --preset 50m --vllm-python ~/.cache/travelator-peers/vllm-cpu/bin/python \\
+        --llama-server ~/.cache/travelator-peers/llama.cpp/build/bin/llama-server
+
+vLLM's CPU backend and llama.cpp's server run only when given (``../shared/peers`` has
+the scripts that install them). ``transformers`` runs its best configuration here,
+padded static batches of 32 through ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PEERS = REPO.parent / "shared" / "peers"
+
+
+def cpu_description() -> str:
+    """The CPU model and which bf16 matrix instructions it has: figures depend on both."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").split())
+    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags]
+    return f"{model}, {os.cpu_count()} cores, {' '.join(isa) or 'no AVX-512'}"
+
+
+# ---- one system, in this process (called as a subprocess by main) -------------------------
+def run_travelator(model_dir: str, work: list, max_num_seqs: int, budget: int,
+                   extra: dict) -> dict:
+    from travelator import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=budget, max_model_len=1024, **extra)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate([p for p, _ in work[:2]], params[:2], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    results = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    ok = [len(r.token_ids) for r in results] == [n for _, n in work]
+    return dict(wall_s=wall, lengths_ok=ok)
+
+
+def run_transformers(model_dir: str, work: list, batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    t0 = time.perf_counter()
+    ok = True
+    with torch.inference_mode():
+        for i in range(0, len(work), batch_size):
+            batch = work[i : i + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, (p, _) in enumerate(batch):  # left padding
+                ids[row, width - len(p):] = torch.tensor(p)
+                mask[row, width - len(p):] = 1
+            longest = max(n for _, n in batch)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                                 min_new_tokens=longest, do_sample=False, pad_token_id=0)
+            ok &= out.shape[1] - width == longest
+    return dict(wall_s=time.perf_counter() - t0, lengths_ok=ok)
+
+
+# ---- the driver ----------------------------------------------------------------------------
+def one_run(cmd: list[str], env: dict | None = None) -> dict:
+    """Run a system in a fresh process; its last stdout line is a JSON result."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["50m", "250m"], default="50m")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--peers-dir", default=str(DEFAULT_PEERS))
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--travelator-option", action="append", default=[], metavar="KEY=JSON",
+                    help="extra LLM(...) keyword for an extra travelator row, e.g. "
+                         "attention_backend=\"torch\" (repeatable; each adds a row)")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed")
+    ap.add_argument("--llama-server", help="a llama-server binary")
+    ap.add_argument("--llama-parallel", type=int, default=32)
+    ap.add_argument("--json", help="write every run here")
+    # internal: run one system in this process
+    ap.add_argument("--one", choices=["travelator", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.one:
+        work = json.load(open(args.workload))
+        if args.one == "travelator":
+            res = run_travelator(args.model_dir, work, args.max_num_seqs,
+                                 args.max_num_batched_tokens, json.loads(args.extra))
+        else:
+            res = run_transformers(args.model_dir, work, args.hf_batch_size)
+        print(json.dumps(res))
+        return
+
+    peers = Path(args.peers_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, workload, gguf = f"{tmp}/model", f"{tmp}/w.json", f"{tmp}/model.gguf"
+        subprocess.run([sys.executable, str(peers / "make_random_llama.py"), args.preset, model_dir],
+                       check=True, capture_output=True)
+        subprocess.run([sys.executable, str(peers / "workload_w.py"), workload], check=True,
+                       capture_output=True)
+        work = json.load(open(workload))
+        useful = sum(n for _, n in work)
+        me = [sys.executable, __file__, "--model-dir", model_dir, "--workload", workload,
+              "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        systems: dict[str, list[str]] = {
+            f"travelator (max_num_seqs {args.max_num_seqs})": me + ["--one", "travelator"],
+        }
+        for opt in args.travelator_option:
+            key, value = opt.split("=", 1)
+            systems[f"travelator {key}={value}"] = me + ["--one", "travelator", "--extra",
+                                                         json.dumps({key: json.loads(value)})]
+        if not args.skip_transformers:
+            systems[f"transformers generate, padded batches of {args.hf_batch_size}"] = (
+                me + ["--one", "transformers", "--hf-batch-size", str(args.hf_batch_size)])
+        if args.vllm_python:
+            systems[f"vLLM CPU (max_num_seqs {args.max_num_seqs})"] = [
+                args.vllm_python, str(peers / "run_vllm.py"), model_dir, workload,
+                "--max-num-seqs", str(args.max_num_seqs)]
+        if args.llama_server:
+            subprocess.run([sys.executable, str(peers / "hf_to_gguf.py"), model_dir, gguf],
+                           check=True, capture_output=True)
+            systems[f"llama.cpp server ({args.llama_parallel} slots)"] = [
+                sys.executable, str(peers / "run_llama_server.py"), args.llama_server, gguf,
+                workload, "--parallel", str(args.llama_parallel)]
+
+        print(f"workload W: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+              f"{useful} output tokens; model {args.preset} bfloat16 (random init, seed 0)")
+        print(f"CPU: {cpu_description()}")
+        runs: dict[str, list[dict]] = {name: [] for name in systems}
+        for rep in range(args.repeats):
+            for name, cmd in systems.items():
+                load = os.getloadavg()[0]
+                res = one_run(cmd)
+                tok_s = useful / res["wall_s"]
+                runs[name].append(dict(res, tok_s=tok_s, load_before=load))
+                print(f"  run {rep + 1}: {name}: {tok_s:.1f} tok/s "
+                      f"(load {load:.2f}, lengths ok: {res['lengths_ok']})", flush=True)
+
+    base = statistics.median(r["tok_s"] for r in next(iter(runs.values())))
+    print("\n| system | runs (output tok/s) | median | vs travelator |\n|---|---|---|---|")
+    for name, rs in runs.items():
+        med = statistics.median(r["tok_s"] for r in rs)
+        each = ", ".join(f"{r['tok_s']:.0f}" for r in rs)
+        print(f"| {name} | {each} | {med:.1f} | {med / base:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(cpu=cpu_description(), preset=args.preset,
+                                                   runs=runs), indent=1))
+
+
+if __name__ == "__main__":
+    main()

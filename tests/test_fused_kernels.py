@@ -1,0 +1,68 @@
+"""The fused native per-token kernels against the pure-torch layers they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from travelator import kernels
+from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
+ops = torch.ops.travelator
+
+# Ulp-level differences only (exp and rsqrt are not torch's): a bf16 value may round the
+# other way, one ulp of bf16 is 2**-8 of its size.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (37, 512), (300, 72)])
+def test_rms_norm_and_residual(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, 1e-5), norm(x), **TOL[dtype])
+    resid = x.clone()
+    out = ops.add_rms_norm_(resid, delta, norm.weight, 1e-5)
+    assert torch.equal(resid, x + delta)  # the residual stream, rounded as torch adds
+    torch.testing.assert_close(out, norm(x + delta), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    gate_up = (torch.randn(33, 2 * 1408, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), silu_and_mul(gate_up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope(dtype):
+    rope = RotaryEmbedding(64, 512, 10000.0, None)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(20, 8, 64, generator=g).to(dtype)
+    k = torch.randn(20, 4, 64, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (20,), generator=g)
+    want_q, want_k = rope(positions, q, k)
+    ops.rope_(q, k, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+
+
+def test_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 512, generator=g).bfloat16()
+    w = torch.rand(512, generator=g).bfloat16()
+    whole = ops.rms_norm(x, w, 1e-5)
+    for i in (0, 17, 63):
+        assert torch.equal(ops.rms_norm(x[i : i + 1].contiguous(), w, 1e-5), whole[i : i + 1])
+    gu = torch.randn(64, 2816, generator=g).bfloat16()
+    assert torch.equal(ops.silu_and_mul(gu[5:6].contiguous()), ops.silu_and_mul(gu)[5:6])
+
+
+def test_rope_rejects_positions_past_the_table():
+    rope = RotaryEmbedding(16, 8, 10000.0, None)
+    q, k = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rope_(q, k, torch.tensor([8]), rope.cos, rope.sin)

@@ -1,0 +1,217 @@
+// Fused per-token operations of the Llama block: RMSNorm (optionally adding the
+// residual first), SiLU(gate) * up, and rotary embeddings applied in place.
+//
+// Each reproduces the rounding of the pure-torch layers it replaces (compute in float,
+// round to the model dtype where torch does), in one pass over memory instead of three
+// to six. Every row is computed on its own, in a fixed order, so results never depend
+// on the number of rows in the step.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// exp(x) by range reduction (x = n ln2 + r) and a degree-6 polynomial, in plain float
+// arithmetic the compiler vectorises (a libm call per element would not be).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.98756912e-4f;
+  p = p * r + 1.39819994e-3f;
+  p = p * r + 8.33345205e-3f;
+  p = p * r + 4.16657962e-2f;
+  p = p * r + 1.66666657e-1f;
+  p = p * r + 5.00000000e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);
+}
+
+// Sum of squares with kLanes partial sums combined in a fixed tree: vectorisable
+// without reassociation, identical for a row whatever the batch.
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  float part[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = static_cast<float>(x[i + l]);
+      part[l] += v * v;
+    }
+  for (int l = 0; i < n; ++i, ++l) {
+    const float v = static_cast<float>(x[i]);
+    part[l] += v * v;
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  const float r = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = static_cast<float>(round_to<T>(static_cast<float>(x[i]) * r));
+    out[i] = round_to<T>(static_cast<float>(weight[i]) * normed);
+  }
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight,
+                   at::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = xp + r * n;
+      if (dp) {  // residual stream += delta, rounded as torch's add would
+        const T* d = dp + r * n;
+        for (int64_t i = 0; i < n; ++i) row[i] = round_to<T>(static_cast<float>(row[i]) + static_cast<float>(d[i]));
+      }
+      norm_row(row, wp, op + r * n, n, static_cast<float>(eps));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": expected a contiguous [T, H] tensor");
+}
+
+template <typename F>
+void dispatch_float_types(const at::Tensor& x, const char* what, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, what, ": unsupported dtype ", x.scalar_type());
+  }
+}
+
+// weight * round(x * rsqrt(mean(x^2) + eps)), as travelator.model.layers.RMSNorm.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1), "rms_norm: bad weight");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor xm = x;
+  dispatch_float_types(x, "rms_norm", [&](auto tag) {
+    rms_norm_impl<decltype(tag)>(xm, nullptr, weight, out, eps);
+  });
+  return out;
+}
+
+// x += delta (in place, the residual stream), then returns rms_norm(x).
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(delta, "add_rms_norm_");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(), "add_rms_norm_: bad delta");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1), "add_rms_norm_: bad weight");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  dispatch_float_types(x, "add_rms_norm_", [&](auto tag) {
+    rms_norm_impl<decltype(tag)>(x, &delta, weight, out, eps);
+  });
+  return out;
+}
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const T* in = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = in + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = static_cast<float>(g[i]);
+        const float silu = static_cast<float>(round_to<T>(x / (1.0f + exp_approx(-x))));
+        o[i] = round_to<T>(silu * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// [T, 2I] (gate then up) -> [T, I]: round(silu(gate)) * up, as layers.silu_and_mul.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch_float_types(gate_up, "silu_and_mul", [&](auto tag) { silu_mul_impl<decltype(tag)>(gate_up, out); });
+  return out;
+}
+
+template <typename T>
+void rope_rows(T* x, int64_t rows, int64_t heads, int64_t half, const int64_t* positions,
+               const float* cos, const float* sin) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* a = x + (t * heads + h) * 2 * half;
+        T* b = a + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = static_cast<float>(a[i]), x2 = static_cast<float>(b[i]);
+          a[i] = round_to<T>(x1 * c[i] - x2 * s[i]);
+          b[i] = round_to<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
+// Rotates the two halves of every head of q [T, H, D] and k [T, KVH, D] in place, by
+// the angles of each token's position (cos, sin: [max_positions, D/2] float32).
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.is_contiguous() && k.is_contiguous(), "rope_: q, k must be contiguous [T, H, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.size(2) == k.size(2) && q.size(0) == k.size(0), "rope_: q and k do not match");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0), "rope_: bad positions");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.size(1) * 2 == q.size(2), "rope_: bad cos/sin tables");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_: position ", pos[t], " out of range");
+  dispatch_float_types(q, "rope_", [&](auto tag) {
+    using T = decltype(tag);
+    rope_rows(q.data_ptr<T>(), q.size(0), q.size(1), q.size(2) / 2, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rope_rows(k.data_ptr<T>(), k.size(0), k.size(1), k.size(2) / 2, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(travelator, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("rope_", c10::DispatchKey::CPU, &rope_);
+}
