@@ -57,7 +57,6 @@ inline float exp_nonpositive(float x) {
 #if defined(__AVX512F__)
 // AVX-512 path: 16 floats a vector. A row's numbers depend only on its own inputs
 // here too: every row goes through the same instructions in the same order.
-constexpr bool kVector = true;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -84,19 +83,36 @@ inline __m512 exp16_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
-#else
-constexpr bool kVector = false;
+
+// Lane j of the result is the sum of v[j]'s 16 lanes: a fixed tree of in-register
+// shuffles, about a third of the work of sixteen horizontal reductions.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 w[8], z[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    z[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 g01 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 g23 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(g01, g23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(g01, g23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 #endif
 
 struct WorkItem {
   int64_t request;
-  int64_t kv_head;
   int64_t first_query;  // within the request's chunk
   int64_t num_queries;
 };
 
 template <typename scalar_t, typename cache_t>
-void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
+void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, const cache_t* k_cache,
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -115,7 +131,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
   for (int64_t i = 0; i < w.num_queries; ++i) {
     const int64_t token = query_start[w.request] + w.first_query + i;
     for (int64_t r = 0; r < group; ++r) {
-      const scalar_t* src = q + (token * num_heads + w.kv_head * group + r) * D;
+      const scalar_t* src = q + (token * num_heads + kv_head * group + r) * D;
       float* dst = &qf[(i * group + r) * D];
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
     }
@@ -124,7 +140,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t key0 = b * bs;
     const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
-    const int64_t base = (table[b] * bs * num_kv_heads + w.kv_head) * D;
+    const int64_t base = (table[b] * bs * num_kv_heads + kv_head) * D;
     for (int64_t j = 0; j < valid_in_block; ++j) {
       const cache_t* kj = k_cache + base + j * num_kv_heads * D;
       const cache_t* vj = v_cache + base + j * num_kv_heads * D;
@@ -169,103 +185,135 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
     const int64_t token = query_start[w.request] + w.first_query + i;
     for (int64_t r = 0; r < group; ++r) {
       const int64_t row = i * group + r;
-      scalar_t* dst = out + (token * num_heads + w.kv_head * group + r) * D;
+      scalar_t* dst = out + (token * num_heads + kv_head * group + r) * D;
       const float inv = 1.0f / l[row];
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
     }
   }
 }
 
-#if defined(__AVX512F__)
-// The same work item on AVX-512, for head_dim a multiple of 16 (at most 256): K and V
-// rows are converted to float once per block and shared by the tile's rows; a row's
-// accumulator stays in registers while it takes the block's keys in order.
+// Portable path: one KV head at a time.
 template <typename scalar_t, typename cache_t>
+void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
+                 const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
+                 const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 float scale) {
+  for (int64_t h = 0; h < num_kv_heads; ++h)
+    attend_item_head(w, h, q, k_cache, v_cache, out, query_start, seq_lens, block_tables,
+                     table_width, num_heads, num_kv_heads, head_dim, block_size, scale);
+}
+
+#if defined(__AVX512F__)
+// The same work on AVX-512, for head_dim 32, 64 or 128. One item takes
+// every KV head of its request, so each cache block ([block_size, KVH, D], contiguous)
+// is read once, front to back, while the next one is prefetched. K and V rows are
+// converted to float once per block and head and shared by the rows of that head; a
+// row's scores come 16 keys at a time and its accumulator stays in registers.
+template <typename scalar_t, typename cache_t, int64_t kChunks>
 void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                      const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      float scale) {
-  constexpr int64_t kMaxChunks = 16;  // head_dim <= 256
-  const int64_t D = head_dim, bs = block_size, chunks = D / 16;
+  // head_dim / 16 is a compile-time constant, so that q and the accumulator stay in
+  // registers (an array indexed by a run-time bound would live on the stack).
+  constexpr int64_t chunks = kChunks, kMaxChunks = kChunks;
+  const int64_t D = head_dim, bs = block_size;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
   const int64_t first_pos = seq_lens[w.request] - q_len;
-  const int64_t rows = w.num_queries * group;
+  const int64_t rows = w.num_queries * num_heads;  // row = query * num_heads + head
   const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
   const int64_t num_blocks = last_pos / bs + 1;
   const int64_t padded_bs = (bs + 15) / 16 * 16;
+  const int64_t block_bytes = bs * num_kv_heads * D * static_cast<int64_t>(sizeof(cache_t));
 
-  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kf(bs * D), vf(bs * D), s(padded_bs);
+  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kf(padded_bs * D, 0.0f), vf(bs * D), s(padded_bs);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
-  for (int64_t i = 0; i < w.num_queries; ++i) {
-    const int64_t token = query_start[w.request] + w.first_query + i;
-    for (int64_t r = 0; r < group; ++r) {
-      const scalar_t* src = q + (token * num_heads + w.kv_head * group + r) * D;
-      float* dst = &qf[(i * group + r) * D];
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale)));
-    }
-  }
+  const scalar_t* q0 = q + (query_start[w.request] + w.first_query) * num_heads * D;
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(&qf[row * D + 16 * c],
+                       _mm512_mul_ps(load16(q0 + row * D + 16 * c), _mm512_set1_ps(scale)));
   const int64_t* table = block_tables + w.request * table_width;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t key0 = b * bs;
     const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
-    const int64_t base = (table[b] * bs * num_kv_heads + w.kv_head) * D;
-    for (int64_t j = 0; j < valid_in_block; ++j) {
-      const cache_t* kj = k_cache + base + j * num_kv_heads * D;
-      const cache_t* vj = v_cache + base + j * num_kv_heads * D;
-      for (int64_t c = 0; c < chunks; ++c) {
-        _mm512_storeu_ps(&kf[j * D + 16 * c], load16(kj + 16 * c));
-        _mm512_storeu_ps(&vf[j * D + 16 * c], load16(vj + 16 * c));
+    if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: ask for it now
+      const char* nk = reinterpret_cast<const char*>(k_cache + table[b + 1] * bs * num_kv_heads * D);
+      const char* nv = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * num_kv_heads * D);
+      for (int64_t byte = 0; byte < block_bytes; byte += 64) {
+        _mm_prefetch(nk + byte, _MM_HINT_T0);
+        _mm_prefetch(nv + byte, _MM_HINT_T0);
       }
     }
-    for (int64_t i = 0; i < w.num_queries; ++i) {
-      const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
-      if (n_valid <= 0) continue;
-      for (int64_t r = 0; r < group; ++r) {
-        const int64_t row = i * group + r;
-        __m512 qv[kMaxChunks];
-        for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(&qf[row * D + 16 * c]);
-        for (int64_t j = 0; j < n_valid; ++j) {
-          __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(&kf[j * D]));
-          for (int64_t c = 1; c < chunks; ++c)
-            dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(&kf[j * D + 16 * c]), dot);
-          s[j] = _mm512_reduce_add_ps(dot);
-        }
-        float block_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n_valid; ++j) block_max = std::max(block_max, s[j]);
-        const float m_new = std::max(m[row], block_max);
-        const __m512 m_vec = _mm512_set1_ps(m_new);
-        for (int64_t j = 0; j < n_valid; j += 16) {
-          const __mmask16 lanes = static_cast<__mmask16>(
-              n_valid - j >= 16 ? 0xFFFF : (1u << (n_valid - j)) - 1);
-          const __m512 x = _mm512_maskz_loadu_ps(lanes, &s[j]);
-          _mm512_mask_storeu_ps(&s[j], lanes, exp16_nonpositive(_mm512_sub_ps(x, m_vec)));
-        }
-        const float alpha = _mm512_cvtss_f32(exp16_nonpositive(_mm512_set1_ps(m[row] - m_new)));
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n_valid; ++j) sum += s[j];
-        l[row] = l[row] * alpha + sum;
-        m[row] = m_new;
-        float* a = &acc[row * D];
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t base = (table[b] * bs * num_kv_heads + h) * D;
+      for (int64_t j = 0; j < valid_in_block; ++j) {
+        const cache_t* kj = k_cache + base + j * num_kv_heads * D;
+        const cache_t* vj = v_cache + base + j * num_kv_heads * D;
         for (int64_t c = 0; c < chunks; ++c) {
-          __m512 av = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(alpha));
-          for (int64_t j = 0; j < n_valid; ++j)
-            av = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), _mm512_loadu_ps(&vf[j * D + 16 * c]), av);
-          _mm512_storeu_ps(a + 16 * c, av);
+          _mm512_storeu_ps(&kf[j * D + 16 * c], load16(kj + 16 * c));
+          _mm512_storeu_ps(&vf[j * D + 16 * c], load16(vj + 16 * c));
+        }
+      }
+      for (int64_t i = 0; i < w.num_queries; ++i) {
+        const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
+        if (n_valid <= 0) continue;
+        for (int64_t r = 0; r < group; ++r) {
+          const int64_t row = i * num_heads + h * group + r;
+          __m512 qv[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(&qf[row * D + 16 * c]);
+          // Scores in groups of 16 keys (the block padded to a multiple of 16): every
+          // row takes the same instructions whatever its number of valid keys.
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t j0 = 0; j0 < n_valid; j0 += 16) {
+            __m512 dots[16];
+            for (int64_t j = 0; j < 16; ++j) {
+              const float* kr = &kf[(j0 + j) * D];
+              __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+              for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), dot);
+              dots[j] = dot;
+            }
+            const __mmask16 lanes = static_cast<__mmask16>(
+                n_valid - j0 >= 16 ? 0xFFFF : (1u << (n_valid - j0)) - 1);
+            const __m512 sv = transpose_sum16(dots);
+            _mm512_storeu_ps(&s[j0], sv);
+            block_max = std::max(block_max, _mm512_mask_reduce_max_ps(lanes, sv));
+          }
+          const float m_new = std::max(m[row], block_max);
+          const __m512 m_vec = _mm512_set1_ps(m_new);
+          float sum = 0.0f;
+          for (int64_t j0 = 0; j0 < n_valid; j0 += 16) {
+            const __mmask16 lanes = static_cast<__mmask16>(
+                n_valid - j0 >= 16 ? 0xFFFF : (1u << (n_valid - j0)) - 1);
+            const __m512 p = _mm512_maskz_mov_ps(
+                lanes, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&s[j0]), m_vec)));
+            _mm512_storeu_ps(&s[j0], p);
+            sum += _mm512_reduce_add_ps(p);
+          }
+          const float alpha = _mm512_cvtss_f32(exp16_nonpositive(_mm512_set1_ps(m[row] - m_new)));
+          l[row] = l[row] * alpha + sum;
+          m[row] = m_new;
+          // acc = acc * alpha + sum_j p_j v_j, keys in order; the head_dim chunks are
+          // independent chains, interleaved.
+          float* a = &acc[row * D];
+          __m512 av[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) av[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(alpha));
+          for (int64_t j = 0; j < n_valid; ++j) {
+            const __m512 p = _mm512_set1_ps(s[j]);
+            for (int64_t c = 0; c < chunks; ++c) av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&vf[j * D + 16 * c]), av[c]);
+          }
+          for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
         }
       }
     }
   }
-  for (int64_t i = 0; i < w.num_queries; ++i) {
-    const int64_t token = query_start[w.request] + w.first_query + i;
-    for (int64_t r = 0; r < group; ++r) {
-      const int64_t row = i * group + r;
-      scalar_t* dst = out + (token * num_heads + w.kv_head * group + r) * D;
-      const float inv = 1.0f / l[row];
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
-    }
+  scalar_t* out0 = out + (query_start[w.request] + w.first_query) * num_heads * D;
+  for (int64_t row = 0; row < rows; ++row) {
+    const float inv = 1.0f / l[row];
+    for (int64_t d = 0; d < D; ++d) out0[row * D + d] = static_cast<scalar_t>(acc[row * D + d] * inv);
   }
 }
 #endif
@@ -281,8 +329,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
     const int64_t n = qs[r + 1] - qs[r];
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t = 0; t < n; t += kQueryTile) items.push_back({r, h, t, std::min(kQueryTile, n - t)});
+    for (int64_t t = 0; t < n; t += kQueryTile) items.push_back({r, t, std::min(kQueryTile, n - t)});
   }
   // Longest items first, handed out one at a time: causal tiles differ a lot in cost.
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
@@ -293,7 +340,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     return ca > cb;
   });
   // One kernel for every row of the call: the choice depends on the shapes only.
-  const bool use_vector = kVector && head_dim % 16 == 0 && head_dim <= 256;
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
@@ -301,7 +347,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
         auto* item_fn = &attend_item<scalar_t, cache_t>;
 #if defined(__AVX512F__)
-        if (use_vector) item_fn = &attend_item_vec<scalar_t, cache_t>;
+        if (head_dim == 32) item_fn = &attend_item_vec<scalar_t, cache_t, 2>;
+        if (head_dim == 64) item_fn = &attend_item_vec<scalar_t, cache_t, 4>;
+        if (head_dim == 128) item_fn = &attend_item_vec<scalar_t, cache_t, 8>;
 #endif
         item_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
                 v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
