@@ -31,10 +31,6 @@ class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of those, found in the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
@@ -70,10 +66,6 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

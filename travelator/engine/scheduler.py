@@ -50,10 +50,6 @@ class SchedulerBase:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
