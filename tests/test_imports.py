@@ -14,6 +14,7 @@ TORCH_FREE = [
     "travelator.engine.scheduler",
     "travelator.engine.static_scheduler",
     "travelator.engine.kv_cache",
+    "travelator.engine.scheduler_factory",
 ]
 
 

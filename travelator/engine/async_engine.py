@@ -346,7 +346,7 @@ def engine_self_check(engine: LLMEngine) -> dict:
         problems.append(f"detokenizers of finished requests: {stale_detok[:10]}")
     # The runner forgets a finished request at its next step; until then the scheduler lists it
     # as freed, so only a state that neither side accounts for is a leak.
-    runner_states = getattr(engine.runner, "states", {})
+    runner_states = engine.runner.held_request_ids()
     pending_free = set(getattr(sched, "_freed", ()))
     stale_runner = sorted(set(runner_states) - live - pending_free)
     if stale_runner:

@@ -13,18 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from travelator.config import EngineConfig
+from travelator.distributed.executor import TensorParallelError, make_executor
 from travelator.engine.detokenizer import IncrementalDetokenizer
+from travelator.engine.executor import Executor
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
-from travelator.distributed.executor import TensorParallelError, make_runner
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
-from travelator.engine.scheduler import (
-    IterationScheduler,
-    PriorityScheduler,
-    SampledToken,
-    SchedulerBase,
-)
-from travelator.engine.static_scheduler import StaticScheduler
+from travelator.engine.scheduler import SchedulerBase
+from travelator.engine.scheduler_factory import make_scheduler
+from travelator.engine.scheduler_output import SampledToken
 from travelator.model.device import pick_device, resolve_dtype
 from travelator.model.loader import open_model
 from travelator.sampling_params import SamplingParams
@@ -75,8 +72,8 @@ class LLMEngine:
             config.cache.kv_cache_dtype, None, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
-        # One rank: a ModelRunner. Tensor parallel: the driver of the group (same interface).
-        self.runner = make_runner(
+        # One rank: a ModelRunner. Tensor parallel: the driver of the group.
+        self.runner: Executor = make_executor(
             config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
             device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
             eos_token_ids=self.eos_token_ids,
@@ -91,13 +88,7 @@ class LLMEngine:
             # Keys change with anything that changes the KV: model, weights, dtypes.
             namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}",
         )
-        if config.scheduler.policy == "static":
-            scheduler_cls = StaticScheduler
-        elif config.scheduler.order == "priority":
-            scheduler_cls = PriorityScheduler
-        else:
-            scheduler_cls = IterationScheduler
-        self.scheduler: SchedulerBase = scheduler_cls(config.scheduler, self.kv)
+        self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
@@ -111,9 +102,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()
 
     # ---- set-up --------------------------------------------------------------------
     def _context_limit(self) -> int:
@@ -252,8 +241,7 @@ class LLMEngine:
     @property
     def phase_times(self) -> dict[str, float]:
         """Seconds per phase of the step, summed since start: where a step's time goes."""
-        runner = getattr(self.runner, "runner", self.runner)  # tensor parallel: the driver's
-        return {**self._phase_times, **runner.phase_times}
+        return {**self._phase_times, **self.runner.phase_times}
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -263,7 +251,7 @@ class LLMEngine:
             self.runner.execute(out)  # still apply freed ids
             return []
         try:
-            sampled = self.runner.execute(out)
+            result = self.runner.execute(out)
         except TensorParallelError:
             raise  # a worker is gone: the engine cannot go on
         except Exception as exc:  # a failed step must not take the other requests down
@@ -274,7 +262,7 @@ class LLMEngine:
                          len(out.num_scheduled_tokens), traceback.format_exc())
             return self._fail_step(list(out.num_scheduled_tokens), exc)
         t_update = time.perf_counter()
-        updated = self.scheduler.update_from_output(out, sampled)
+        updated = self.scheduler.update_from_output(out, result)
         outputs = [self._token_output(req, tok) for req, tok in updated]
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, time.perf_counter() - t0)

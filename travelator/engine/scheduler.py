@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
@@ -17,15 +16,10 @@ from travelator.engine.request import Request, RequestStatus
 from travelator.engine.scheduler_output import (
     CachedRequestData,
     NewRequestData,
+    RunnerOutput,
+    SampledToken,
     SchedulerOutput,
 )
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
 
 
 class SchedulerBase:
@@ -215,8 +209,8 @@ class SchedulerBase:
             req.times.first_scheduled = time.monotonic()
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
-    ) -> list[tuple[Request, SampledToken | None]]:
+        self, out: SchedulerOutput, result: RunnerOutput
+    ) -> list[tuple[Request, SampledToken]]:
         """Advance every scheduled request; append sampled tokens; finish those that stop.
 
         Returns each scheduled request that got a new token, with that token.
@@ -229,7 +223,7 @@ class SchedulerBase:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
-            tok = sampled.get(rid)
+            tok = result.sampled.get(rid)
             if tok is None:
                 continue  # a prompt chunk that does not reach the end of the prompt
             req.resumed_without_progress = False
