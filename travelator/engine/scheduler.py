@@ -165,6 +165,11 @@ class SchedulerBase:
     def _least_important(self, candidates: list[Request]) -> Request:
         return candidates[-1]  # the most recently admitted
 
+    @property
+    def pending_freed_ids(self) -> list[str]:
+        """Requests freed since the last step, which the runner has yet to be told to forget."""
+        return list(self._freed)
+
     def return_freed(self, request_ids: list[str]) -> None:
         """A step failed before the runner saw them: announce these ids again next step."""
         self._freed.extend(request_ids)
