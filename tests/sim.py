@@ -95,10 +95,12 @@ class SimResult:
     preempted: list[str] = field(default_factory=list)  # victims in order
 
 
-def make_scheduler(policy: str, num_blocks: int, block_size: int, max_num_seqs: int,
-                   budget: int, prefix_caching: bool = False, order: str = "fcfs") -> SchedulerBase:
+def make_scheduler(batching: str, num_blocks: int, block_size: int, max_num_seqs: int,
+                   budget: int, prefix_caching: bool = False,
+                   scheduling_policy: str = "fcfs") -> SchedulerBase:
     return make_configured_scheduler(
-        SchedulerConfig(policy, max_num_seqs, budget, order=order),
+        SchedulerConfig(batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        scheduling_policy=scheduling_policy),
         KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 

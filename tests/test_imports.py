@@ -15,6 +15,7 @@ TORCH_FREE = [
     "travelator.engine.static_scheduler",
     "travelator.engine.kv_cache",
     "travelator.engine.scheduler_factory",
+    "travelator.engine_args",
 ]
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
-from travelator.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from travelator.engine.engine import LLMEngine
 from travelator.engine.outputs import RequestOutput, TokenLogprob
+from travelator.engine_args import engine_config
 from travelator.sampling_params import SamplingParams
 
 
@@ -49,35 +50,17 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        load_format: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 1024,
-        scheduler: str = "iteration",
-        scheduling_order: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        device: str = "auto",
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model, dtype, load_format, max_model_len, seed),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, kv_cache_dtype,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
-                                      order=scheduling_order),
-            parallel=ParallelConfig(tensor_parallel_size),
-        )
-        self.engine = LLMEngine(config, device=device)
+    """Offline generation over an ``LLMEngine``.
+
+    ``kwargs`` are engine settings, by name: every field of the config sections in config.py
+    (``dtype``, ``max_model_len``, ``num_kv_blocks``, ``max_num_seqs``, ``batching``,
+    ``scheduling_policy``, ``max_overtakes``, ``tensor_parallel_size``, ...; ``travelator
+    generate --help`` lists them with their defaults). An unknown one is a TypeError that
+    lists the valid ones.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:

@@ -16,7 +16,8 @@ from travelator.bench.arrivals import parse_rate
 from travelator.bench.compare import jsonable
 from travelator.bench.metrics import compute_metrics, format_metrics, format_table, parse_slo
 from travelator.bench.workloads import WORKLOADS, Workload, make_workload
-from travelator.cli import add_engine_args, engine_kwargs, resolve_model
+from travelator.default_model import resolve_model
+from travelator.engine_args import add_engine_args, engine_argv, engine_kwargs
 
 _EPILOG = """Workloads (outputs are always forced to their lengths with ignore_eos):
   orca            prompt/output lengths uniform in --prompt-len-range / --output-len-range
@@ -97,7 +98,7 @@ def _engine_info(engine) -> dict:
             "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
-            "scheduler": engine.config.scheduler.policy}
+            "scheduler": engine.config.scheduler.batching}
 
 
 # ---- bench throughput -----------------------------------------------------------------
@@ -120,7 +121,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         run = run_engine(engine, workload, progress=progress, desc="throughput")
     metrics = compute_metrics(run.results, run.duration_s, slo)
     steps = run.step_summary()
-    print(format_metrics(metrics, f"travelator throughput ({engine.config.scheduler.policy})"))
+    print(format_metrics(metrics, f"travelator throughput ({engine.config.scheduler.batching})"))
     print(f"steps {steps['num_steps']}, mean batch {steps.get('mean_batch_requests', 0):.1f} requests / "
           f"{steps.get('mean_batch_tokens', 0):.0f} tokens, occupancy "
           f"{steps.get('time_weighted_occupancy', 0):.0%}, preemptions {steps.get('preemptions', 0)}")
@@ -161,26 +162,6 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 # ---- bench serve ----------------------------------------------------------------------
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine options the user gave, as command-line arguments for ``serve``."""
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    argv: list[str] = []
-    for action in probe._actions:
-        if not action.option_strings:
-            continue
-        value = getattr(args, action.dest, None)
-        if value is None or value == action.default:
-            continue
-        if action.nargs == 0:  # a flag such as --no-prefix-caching
-            argv.append(action.option_strings[0])
-        elif isinstance(value, (list, tuple)):
-            argv += [action.option_strings[0], *map(str, value)]
-        else:
-            argv += [action.option_strings[0], str(value)]
-    return argv
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from travelator.bench.arrivals import arrival_times
     from travelator.bench.client import ManagedServer, ServerSettings, run_serve
@@ -205,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = None
     base_url = args.base_url
     if base_url is None:
-        serve_args = _engine_argv(args)
+        serve_args = engine_argv(args)
         if "--model" not in serve_args:
             serve_args = ["--model", model, *serve_args]
         serve_args += args.server_arg or []
@@ -341,7 +322,7 @@ def add_bench_parser(subparsers) -> None:
     cp = sub.add_parser("compare", help="Orca's experiment: static vs iteration-level scheduling "
                                         "over a sweep of request rates",
                         description="Runs the same workload and Poisson arrivals through two engines "
-                                    "that differ only in the scheduler (--scheduler is ignored), "
+                                    "that differ only in the batching (--batching is ignored), "
                                     "writes compare.json and two PNGs to --output-dir, and ends with "
                                     "the throughput ratio at the same latency target.",
                         epilog=_EPILOG, formatter_class=fmt)

@@ -58,7 +58,7 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, device: str = "auto") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
         mc = config.model
@@ -66,7 +66,7 @@ class LLMEngine:
         self.model_name = source.name
         self.arch = source.arch
         self.tokenizer = source.tokenizer
-        self.device = pick_device(device)
+        self.device = pick_device(mc.device)
         dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device)
         kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else resolve_dtype(
             config.cache.kv_cache_dtype, None, self.device)
@@ -122,8 +122,8 @@ class LLMEngine:
     def _size_kv_pool(self, block_size: int) -> int:
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block(block_size)
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
+        if cache.num_kv_blocks is not None:
+            num_blocks = cache.num_kv_blocks
         elif cache.kv_cache_bytes is not None:
             num_blocks = cache.kv_cache_bytes // per_block
         else:

@@ -23,7 +23,7 @@ from travelator.engine.scheduler_output import (
 
 
 class SchedulerBase:
-    """What every scheduling policy shares: queues, the step update, preemption, abort."""
+    """What every scheduler shares: queues, the step update, preemption, abort."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config

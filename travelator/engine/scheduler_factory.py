@@ -9,8 +9,8 @@ from travelator.engine.static_scheduler import StaticScheduler
 
 
 def make_scheduler(config: SchedulerConfig, kv: KVCacheManager) -> SchedulerBase:
-    if config.policy == "static":
+    if config.batching == "static":
         return StaticScheduler(config, kv)
-    if config.order == "priority":
+    if config.scheduling_policy == "priority":
         return PriorityScheduler(config, kv)
     return IterationScheduler(config, kv)
