@@ -164,7 +164,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 # ---- bench serve ----------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from travelator.bench.arrivals import arrival_times
-    from travelator.bench.client import ManagedServer, ServerSettings, run_serve
+    from travelator.bench.client import ManagedServer, ServerTarget, run_serve
     from travelator.model.loader import open_model
 
     slo = parse_slo(args.goodput)
@@ -202,17 +202,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     runs = []
     failed = 0
     try:
-        settings = ServerSettings(base_url, args.served_model_name, args.api_key)
+        target = ServerTarget(base_url, args.served_model_name, args.api_key)
         if args.warmup:
             from travelator.bench.workloads import fixed
 
             warm = fixed(2, vocab_size=vocab, prompt_len=8, output_len=4)
-            run_serve(settings, warm, [0.0, 0.0], progress=False)
+            run_serve(target, warm, [0.0, 0.0], progress=False)
         for k, rate in enumerate(rates):
             arrivals = arrival_times(len(workload), rate, burstiness=args.burstiness,
                                      seed=args.arrival_seed)
             # Salted per rate so that a prefix-caching server does the same work each time.
-            run = run_serve(settings, workload.salted(k), arrivals, max_concurrency=args.max_concurrency,
+            run = run_serve(target, workload.salted(k), arrivals, max_concurrency=args.max_concurrency,
                             progress=progress, desc=f"serve @ {rate:g} req/s")
             m = compute_metrics(run.results, run.duration_s, slo)
             failed += m["failed"]

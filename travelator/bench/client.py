@@ -35,7 +35,9 @@ from travelator.bench.workloads import Workload
 
 
 @dataclass(slots=True)
-class ServerSettings:
+class ServerTarget:
+    """The server a benchmark sends its requests to."""
+
     base_url: str
     model: str | None = None  # the served model name; asked from /v1/models when None
     api_key: str | None = None
@@ -114,19 +116,19 @@ async def _one_request(client: httpx.AsyncClient, url: str, payload: dict, res: 
         res.end = clock()
 
 
-async def run_serve_async(settings: ServerSettings, workload: Workload, arrivals,
+async def run_serve_async(target: ServerTarget, workload: Workload, arrivals,
                           *, max_concurrency: int | None = None, progress: bool = True,
                           desc: str = "requests") -> RunResult:
     n = len(workload)
     arrivals = np.asarray(arrivals, dtype=float)
     limits = httpx.Limits(max_connections=max(n, 1), max_keepalive_connections=max(n, 1))
-    timeout = httpx.Timeout(settings.timeout_s, connect=30.0)
-    url = settings.base_url.rstrip("/") + "/v1/completions"
+    timeout = httpx.Timeout(target.timeout_s, connect=30.0)
+    url = target.base_url.rstrip("/") + "/v1/completions"
     results = [RequestResult(r.prompt_len, r.output_len, float(a))
                for r, a in zip(workload.requests, arrivals)]
     async with httpx.AsyncClient(limits=limits, timeout=timeout,
-                                 headers=_headers(settings.api_key)) as client:
-        model = settings.model or await served_model_name(client, settings.base_url.rstrip("/"))
+                                 headers=_headers(target.api_key)) as client:
+        model = target.model or await served_model_name(client, target.base_url.rstrip("/"))
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=n, desc=desc, unit="req", disable=not progress, leave=False)
         t0 = time.perf_counter()
@@ -159,8 +161,8 @@ async def run_serve_async(settings: ServerSettings, workload: Workload, arrivals
     return RunResult(results, duration)
 
 
-def run_serve(settings: ServerSettings, workload: Workload, arrivals, **kw) -> RunResult:
-    return asyncio.run(run_serve_async(settings, workload, arrivals, **kw))
+def run_serve(target: ServerTarget, workload: Workload, arrivals, **kw) -> RunResult:
+    return asyncio.run(run_serve_async(target, workload, arrivals, **kw))
 
 
 # ---- a server the benchmark starts itself -------------------------------------------
