@@ -108,13 +108,14 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> tuple[Request, asyncio.Queue]:
+                    request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> tuple[Request, asyncio.Queue]:
         """Validate (raising ValueError) and queue; returns the request and its output queue."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        req = self.engine.make_request(prompt, params, request_id, priority)
+        req = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
         if req.request_id in self._streams:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -128,9 +129,10 @@ class AsyncEngine:
         return req, stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; abort it if the consumer goes away."""
-        req, stream = self.add_request(prompt, params, request_id, priority)
+        req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
         finished = False
         try:
             while True:

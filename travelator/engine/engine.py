@@ -22,6 +22,7 @@ from travelator.engine.request import Request, RequestStatus
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import SampledToken
+from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.model.device import pick_device, resolve_dtype
 from travelator.model.loader import open_model
 from travelator.sampling_params import SamplingParams
@@ -158,36 +159,37 @@ class LLMEngine:
     ) -> Request:
         """Validate and tokenise; changes no engine state, so any thread may call it.
 
-        Raises ValueError with a clear message on bad input.
+        Raises InvalidRequestError (a ValueError) naming the field at fault on bad input.
+        ``cache_salt`` keeps the request's prefix-cache blocks apart from requests with
+        another salt (or none).
         """
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidRequestError("the prompt is empty", "prompt")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.arch.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {n} tokens, but the context is {self.max_model_len} tokens "
-                f"and at least one must be left for the output"
-            )
+                f"and at least one must be left for the output", "prompt")
         room = self.max_model_len - n
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
-                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens"
-            )
+                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens",
+                "max_tokens")
         return Request(
             request_id=request_id or self.make_request_id(),
             prompt_token_ids=token_ids,
@@ -216,9 +218,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError with a clear message on bad input."""
-        req = self.make_request(prompt, params, request_id, priority)
+        """Validate and queue a request (``make_request``, then ``enqueue``)."""
+        req = self.make_request(prompt, params, request_id, priority, cache_salt)
         self.enqueue(req)
         return req
 
