@@ -36,6 +36,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
 from travelator.engine.async_engine import AsyncEngine
+from travelator.server.chat import create_chat_completion
+from travelator.server.completions import create_completion
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from travelator.server.protocol import (
@@ -171,12 +173,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         req = await read_body(request, CompletionRequest, settings.max_body_bytes)
-        return await serving.completions(req, request)
+        return await create_completion(serving, req, request)
 
     @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest, settings.max_body_bytes)
-        return await serving.chat(req, request)
+        return await create_chat_completion(serving, req, request)
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
