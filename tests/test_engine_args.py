@@ -63,8 +63,9 @@ def test_a_keyword_reaches_the_config(setting):
 
 def test_help_shows_every_flag(capsys):
     for command in COMMANDS:
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exited:
             build_parser().parse_args([*command, "--help"])
+        assert exited.value.code == 0
         text = capsys.readouterr().out
         for s in ENGINE_SETTINGS:
             assert s.flag in text, (command, s.flag)

@@ -1,4 +1,4 @@
-"""A short soak and chaos run (travelator.soak) on stories260K, and the self-checks it relies on.
+"""A short soak and chaos run (travelator bench soak) on stories260K, and the self-checks it relies on.
 
 The soak starts `travelator serve` itself (one torch thread, a KV pool of 24 blocks so that
 requests are preempted, a waiting queue of 32 so that bursts get 503), sends a few hundred mixed
@@ -20,7 +20,8 @@ from travelator.engine.async_engine import AsyncEngine
 from travelator.engine.self_check import engine_self_check
 from travelator.server.app import build_app
 from travelator.server.settings import ServerSettings
-from travelator.soak import SoakConfig, run_soak
+from travelator.bench.soak.config import SoakConfig
+from travelator.bench.soak.driver import run_soak
 
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
 

@@ -1,7 +1,7 @@
-"""``travelator bench throughput | serve | compare``.
+"""``travelator bench throughput | serve | compare | soak``.
 
 ``add_bench_parser(subparsers)`` adds the ``bench`` command to the main CLI;
-``python -m travelator.bench.cli <throughput|serve|compare> ...`` runs it standalone.
+``python -m travelator.bench.cli <throughput|serve|compare|soak> ...`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from travelator.bench.arrivals import parse_rate
 from travelator.bench.compare import jsonable
 from travelator.bench.metrics import compute_metrics, format_metrics, format_table, parse_slo
+from travelator.bench.soak.cli import add_soak_parser
 from travelator.bench.workloads import WORKLOADS, Workload, make_workload
 from travelator.default_model import resolve_model
 from travelator.engine_args import add_engine_args, engine_argv, engine_kwargs
@@ -164,8 +165,9 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 # ---- bench serve ----------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from travelator.bench.arrivals import arrival_times
-    from travelator.bench.client import ManagedServer, ServerTarget, run_serve
+    from travelator.bench.client import ServerTarget, run_serve
     from travelator.model.loader import open_model
+    from travelator.server.process import ServerProcess, free_port, serve_command
 
     slo = parse_slo(args.goodput)
     rates = _rates(args.request_rate)
@@ -190,12 +192,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if "--model" not in serve_args:
             serve_args = ["--model", model, *serve_args]
         serve_args += args.server_arg or []
-        server = ManagedServer(serve_args, startup_timeout_s=args.server_timeout,
-                               log_path=args.server_log)
+        port = free_port()
+        server = ServerProcess(serve_command(serve_args, port), port, log_path=args.server_log)
         print(f"starting: {' '.join(server.argv)}", file=sys.stderr)
         try:
-            server.start()
+            server.start(args.server_timeout)
         except RuntimeError as e:
+            server.close()
             print(f"error: {e}", file=sys.stderr)
             return 2
         base_url = server.base_url
@@ -228,6 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+            server.close()
     if len(runs) > 1:
         rows = [dict(rate=r["rate"], **r["metrics"]) for r in runs]
         print(format_table(rows, [("rate", "rate", "{:g}"), ("req/s", "request_throughput", "{:.3f}"),
@@ -272,10 +276,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 # ---- the parser -----------------------------------------------------------------------
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: offline throughput, online serving, static vs iteration-level",
+        "bench", help="benchmarks: offline throughput, online serving, static vs iteration-level, "
+                      "soak",
         description="Benchmarks. Every workload is generated from a seed; outputs are forced to "
                     "their lengths so that runs are compared on the same work.")
-    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,compare}")
+    sub = bench.add_subparsers(dest="bench_command", required=True,
+                               metavar="{throughput,serve,compare,soak}")
     fmt = argparse.RawDescriptionHelpFormatter
 
     tp = sub.add_parser("throughput", help="offline: every request at once, through the engine",
@@ -341,6 +347,8 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--output-dir", default="bench-results", help="compare.json and the PNGs go here")
     g.add_argument("--no-progress", action="store_true")
     cp.set_defaults(func=cmd_compare)
+
+    add_soak_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
