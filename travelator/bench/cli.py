@@ -164,10 +164,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 # ---- bench serve ----------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from travelator.bench.arrivals import arrival_times
-    from travelator.bench.client import ServerTarget, run_serve
     from travelator.model.loader import open_model
-    from travelator.server.process import ServerProcess, free_port, serve_command
 
     slo = parse_slo(args.goodput)
     rates = _rates(args.request_rate)
@@ -184,50 +181,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         vocab, ctx = arch.vocab_size, args.max_model_len or arch.max_position_embeddings
     workload = build_workload(args, vocab, ctx)
     _print_workload(workload)
-    progress = not args.no_progress
     server = None
     base_url = args.base_url
     if base_url is None:
-        serve_args = engine_argv(args)
-        if "--model" not in serve_args:
-            serve_args = ["--model", model, *serve_args]
-        serve_args += args.server_arg or []
-        port = free_port()
-        server = ServerProcess(serve_command(serve_args, port), port, log_path=args.server_log)
-        print(f"starting: {' '.join(server.argv)}", file=sys.stderr)
         try:
-            server.start(args.server_timeout)
+            server = _start_server(args, model)
         except RuntimeError as e:
-            server.close()
             print(f"error: {e}", file=sys.stderr)
             return 2
         base_url = server.base_url
-    runs = []
-    failed = 0
     try:
-        target = ServerTarget(base_url, args.served_model_name, args.api_key)
-        if args.warmup:
-            from travelator.bench.workloads import fixed
-
-            warm = fixed(2, vocab_size=vocab, prompt_len=8, output_len=4)
-            run_serve(target, warm, [0.0, 0.0], progress=False)
-        for k, rate in enumerate(rates):
-            arrivals = arrival_times(len(workload), rate, burstiness=args.burstiness,
-                                     seed=args.arrival_seed)
-            # Salted per rate so that a prefix-caching server does the same work each time.
-            run = run_serve(target, workload.salted(k), arrivals, max_concurrency=args.max_concurrency,
-                            progress=progress, desc=f"serve @ {rate:g} req/s")
-            m = compute_metrics(run.results, run.duration_s, slo)
-            failed += m["failed"]
-            print(format_metrics(m, f"serve @ {rate:g} req/s"
-                                    + (f", <= {args.max_concurrency} in flight" if args.max_concurrency else "")))
-            errors = sorted({r.error for r in run.results if r.error})
-            for e in errors[:5]:
-                print(f"  error: {e}", file=sys.stderr)
-            runs.append({"rate": rate, "metrics": m, "errors": errors[:20],
-                         "requests": [{"prompt_len": r.prompt_len, "output_len": r.output_len,
-                                       "ttft": r.ttft, "e2e": r.e2e, "num_events": len(r.token_times)}
-                                      for r in run.results]})
+        runs = _serve_runs(args, base_url, workload, vocab, rates, slo)
     finally:
         if server is not None:
             server.stop()
@@ -245,7 +209,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "benchmark": "serve", "base_url": base_url, "started_server": server is not None,
         "model": model, "workload": workload.summary(), "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency, "runs": runs})
-    return 1 if failed else 0
+    return 1 if any(r["metrics"]["failed"] for r in runs) else 0
+
+
+def _start_server(args: argparse.Namespace, model: str):
+    """``travelator serve`` with the engine options given here, on a free port; healthy."""
+    from travelator.server.process import ServerProcess, free_port, serve_command
+
+    serve_args = engine_argv(args)
+    if "--model" not in serve_args:
+        serve_args = ["--model", model, *serve_args]
+    serve_args += args.server_arg or []
+    port = free_port()
+    server = ServerProcess(serve_command(serve_args, port), port, log_path=args.server_log)
+    print(f"starting: {' '.join(server.argv)}", file=sys.stderr)
+    try:
+        server.start(args.server_timeout)
+    except RuntimeError:
+        server.close()
+        raise
+    return server
+
+
+def _serve_runs(args: argparse.Namespace, base_url: str, workload: Workload, vocab: int,
+                rates: list[float], slo) -> list[dict]:
+    """One run of the workload per request rate (after a warm-up), each with its metrics."""
+    from travelator.bench.arrivals import arrival_times
+    from travelator.bench.client import ServerTarget, run_serve
+
+    target = ServerTarget(base_url, args.served_model_name, args.api_key)
+    if args.warmup:
+        from travelator.bench.workloads import fixed
+
+        warm = fixed(2, vocab_size=vocab, prompt_len=8, output_len=4)
+        run_serve(target, warm, [0.0, 0.0], progress=False)
+    runs = []
+    for k, rate in enumerate(rates):
+        arrivals = arrival_times(len(workload), rate, burstiness=args.burstiness, seed=args.arrival_seed)
+        # Salted per rate so that a prefix-caching server does the same work each time.
+        run = run_serve(target, workload.salted(k), arrivals, max_concurrency=args.max_concurrency,
+                        progress=not args.no_progress, desc=f"serve @ {rate:g} req/s")
+        m = compute_metrics(run.results, run.duration_s, slo)
+        print(format_metrics(m, f"serve @ {rate:g} req/s"
+                                + (f", <= {args.max_concurrency} in flight" if args.max_concurrency else "")))
+        errors = sorted({r.error for r in run.results if r.error})
+        for e in errors[:5]:
+            print(f"  error: {e}", file=sys.stderr)
+        runs.append({"rate": rate, "metrics": m, "errors": errors[:20],
+                     "requests": [{"prompt_len": r.prompt_len, "output_len": r.output_len,
+                                   "ttft": r.ttft, "e2e": r.e2e, "num_events": len(r.token_times)}
+                                  for r in run.results]})
+    return runs
 
 
 # ---- bench compare --------------------------------------------------------------------
