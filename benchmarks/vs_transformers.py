@@ -62,10 +62,10 @@ def run_transformers(model, reqs, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_travelator(path: str, reqs, scheduler: str, max_num_seqs: int) -> float:
+def run_travelator(path: str, reqs, batching: str, max_num_seqs: int) -> float:
     from travelator import LLM, SamplingParams
 
-    llm = LLM(path, dtype="bfloat16", scheduler=scheduler, max_num_seqs=max_num_seqs,
+    llm = LLM(path, dtype="bfloat16", batching=batching, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=1024)
     prompts = [p for p, _ in reqs]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
 from travelator.engine.request import Request
-from travelator.engine.scheduler import (IterationScheduler, PriorityScheduler, SampledToken,
-                                         SchedulerBase)
-from travelator.engine.scheduler_output import SchedulerOutput
-from travelator.engine.static_scheduler import StaticScheduler
+from travelator.engine.scheduler import SchedulerBase
+from travelator.engine.scheduler_factory import make_scheduler as make_configured_scheduler
+from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -40,7 +39,7 @@ class FakeRunner:
         self.states: dict[str, _State] = {}
         self.cache: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.freed_request_ids:
             self.states.pop(rid, None)
         for new in out.new_requests:
@@ -69,7 +68,7 @@ class FakeRunner:
                 tok = zlib.crc32(repr(seen).encode()) % VOCAB
                 s.tokens.append(tok)
                 sampled[rid] = SampledToken(tok)
-        return sampled
+        return RunnerOutput(sampled)
 
     def _slot(self, s: _State, pos: int) -> int:
         return s.blocks[pos // self.bs] * self.bs + pos % self.bs
@@ -96,14 +95,13 @@ class SimResult:
     preempted: list[str] = field(default_factory=list)  # victims in order
 
 
-def make_scheduler(policy: str, num_blocks: int, block_size: int, max_num_seqs: int,
-                   budget: int, prefix_caching: bool = False, order: str = "fcfs") -> SchedulerBase:
-    if policy == "static":
-        cls = StaticScheduler
-    else:
-        cls = PriorityScheduler if order == "priority" else IterationScheduler
-    return cls(SchedulerConfig(policy, max_num_seqs, budget, order=order),
-               KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
+def make_scheduler(batching: str, num_blocks: int, block_size: int, max_num_seqs: int,
+                   budget: int, prefix_caching: bool = False,
+                   scheduling_policy: str = "fcfs") -> SchedulerBase:
+    return make_configured_scheduler(
+        SchedulerConfig(batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        scheduling_policy=scheduling_policy),
+        KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
 
 
 def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100_000) -> SimResult:
@@ -131,8 +129,7 @@ def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100
         res.max_seqs_in_step = max(res.max_seqs_in_step, len(out.num_scheduled_tokens))
         for rid in out.num_scheduled_tokens:
             res.first_scheduled.setdefault(rid, step)
-        sampled = runner.execute(out)
-        for req, _ in sched.update_from_output(out, sampled):
+        for req, _ in sched.update_from_output(out, runner.execute(out)):
             if req.status.finished:
                 res.outputs[req.request_id] = list(req.output_token_ids)
                 res.finished[req.request_id] = step

@@ -219,13 +219,13 @@ def test_bench_parser_has_three_subcommands():
 
 
 def test_server_gets_the_engine_options_that_were_given():
-    from travelator.bench.cli import _engine_argv
+    from travelator.engine_args import engine_argv
 
     a = _parser().parse_args(["bench", "serve", "--model", "dummy:tiny", "--dtype", "bfloat16",
                               "--max-num-seqs", "8"])
-    assert _engine_argv(a) == ["--model", "dummy:tiny", "--dtype", "bfloat16", "--max-num-seqs", "8"]
+    assert engine_argv(a) == ["--model", "dummy:tiny", "--dtype", "bfloat16", "--max-num-seqs", "8"]
     a = _parser().parse_args(["bench", "serve", "--no-prefix-caching"])
-    assert _engine_argv(a) == ["--no-prefix-caching"]
+    assert engine_argv(a) == ["--no-prefix-caching"]
 
 
 def test_wires_into_the_main_cli():

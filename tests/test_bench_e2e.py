@@ -7,14 +7,12 @@ run and write their reports, never how fast anything is.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import threading
-import time
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from live import serve_in_thread
 from paths import STORIES
 
 from travelator.bench.cli import main
@@ -102,22 +100,9 @@ def _fake_openai_server():
 
 @pytest.fixture()
 def fake_server():
-    import uvicorn
-
-    from travelator.bench.client import free_port
-
     app, seen = _fake_openai_server()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}", seen
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app, name="fake-openai", log_level="error") as url:
+        yield url, seen
 
 
 def test_bench_serve_client_against_a_stand_in_server(fake_server, tmp_path):
@@ -141,19 +126,6 @@ def test_bench_serve_client_against_a_stand_in_server(fake_server, tmp_path):
     assert body["ignore_eos"] is True and len(body["prompt"]) == 5
 
 
-def _real_server_available() -> bool:
-    if importlib.util.find_spec("travelator.server.app") is None:
-        return False
-    from travelator.cli import build_parser
-
-    try:
-        build_parser().parse_args(["serve", "--help"])
-    except SystemExit as e:
-        return e.code == 0
-    return False
-
-
-@pytest.mark.skipif(not _real_server_available(), reason="travelator serve is not there yet")
 def test_bench_serve_starts_a_real_server(tmp_path, capsys):
     path = tmp_path / "serve.json"
     rc = main(["serve", *TINY, "--num-requests", "4", "--request-rate", "inf",

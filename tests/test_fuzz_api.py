@@ -153,6 +153,7 @@ def test_schema_bodies(server, path, model):
         check_answer(post(server, path, body), body)
 
     run()
+    assert_back_at_rest(server)
 
 
 def test_the_schema_describes_the_bodies(server):
@@ -165,11 +166,15 @@ def test_the_schema_describes_the_bodies(server):
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
 
 
-@FUZZ
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-       body=st.one_of(_json, st.binary(max_size=200)))
-def test_arbitrary_bodies(server, path, body):
-    check_answer(post(server, path, body), body)
+def test_arbitrary_bodies(server):
+    @FUZZ
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+           body=st.one_of(_json, st.binary(max_size=200)))
+    def run(path, body):
+        check_answer(post(server, path, body), body)
+
+    run()
+    assert_back_at_rest(server)
 
 
 @FUZZ
@@ -180,8 +185,8 @@ def test_other_routes(server, name, method):
         check_answer(server.http.request(method, path), (method, path))
 
 
-def test_idle_and_nothing_leaked_after_fuzzing(server):
-    # Runs last in this module: whatever the fuzzing above sent, the engine is back at rest.
+def assert_back_at_rest(server) -> None:
+    """Whatever was sent, the engine is back at rest: idle, every KV block back, no errors."""
     deadline = time.monotonic() + 10
     while True:
         report = server.http.get("/debug/engine").json()
@@ -195,3 +200,21 @@ def test_idle_and_nothing_leaked_after_fuzzing(server):
     assert server.http.get("/health").status_code == 200
     r = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ", there was a little"
+
+
+def test_idle_and_nothing_leaked_after_a_mixed_batch(server):
+    """On its own, in any order: valid, streamed, cut-short and invalid requests, then at rest."""
+    bodies = [
+        {"prompt": "Once upon a time", "max_tokens": 8, "n": 2},
+        {"prompt": ["Lily", "Ben"], "max_tokens": 4, "stream": True, "logprobs": 2},
+        {"prompt": [1, 10**9]},
+        {"prompt": "Once", "max_tokens": 10**6},
+        {"prompt": "Once", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4},
+    ]
+    for body in bodies:
+        check_answer(post(server, "/v1/completions", body), body)
+    with server.http.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "stream": True,
+            "ignore_eos": True}) as r:
+        next(r.iter_lines())  # leave after the first event: the server must abort the rest
+    assert_back_at_rest(server)

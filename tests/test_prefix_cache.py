@@ -87,7 +87,7 @@ def test_eviction_order_tail_first():
 def test_priority_hand_computed_trace():
     # One seat. A (priority 1) runs; B (priority 0) and C (priority 1) wait. When A
     # finishes, B goes first although C arrived... after A but before B.
-    sched = make_scheduler("iteration", 100, 4, max_num_seqs=1, budget=64, order="priority")
+    sched = make_scheduler("iteration", 100, 4, max_num_seqs=1, budget=64, scheduling_policy="priority")
     arrivals = [Arrival(0, "A", [1], 3, priority=1), Arrival(1, "C", [1], 2, priority=1),
                 Arrival(1, "B", [1], 2, priority=0)]
     res = simulate(sched, arrivals)
@@ -102,7 +102,7 @@ def test_priority_preempts_lowest_priority_latest():
     # the victim is the latest priority-1 request, "lo2", and "hi" never is.
     arrivals = [Arrival(0, "lo1", [1, 2, 3], 3, priority=1), Arrival(0, "lo2", [1, 2, 5], 3, priority=1),
                 Arrival(0, "hi", [1, 2, 4], 3, priority=0)]
-    by_priority = simulate(make_scheduler("iteration", 4, 4, 8, 64, order="priority"), arrivals)
+    by_priority = simulate(make_scheduler("iteration", 4, 4, 8, 64, scheduling_policy="priority"), arrivals)
     assert by_priority.preempted and set(by_priority.preempted) == {"lo2"}
     assert by_priority.finished["hi"] == 2
     fcfs = simulate(make_scheduler("iteration", 4, 4, 8, 64), arrivals)

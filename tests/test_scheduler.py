@@ -82,11 +82,11 @@ request_st = st.tuples(
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
     spare_blocks=st.integers(0, 20),
-    policy=st.sampled_from(["iteration", "static", "priority"]),
+    kind=st.sampled_from(["iteration", "static", "priority"]),
     prefix_caching=st.booleans(),
     shared_prefix=st.integers(0, 24),
 )
-def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, policy,
+def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, kind,
                           prefix_caching, shared_prefix):
     # Prompts share their first `shared_prefix` tokens, so prefix caching has hits.
     arrivals = [Arrival(s, f"r{i}", ([5] * shared_prefix + [(i * 31 + j) % 97 for j in range(p)])[:max(p, 1)], m,
@@ -96,9 +96,9 @@ def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, 
     # The smallest pool that still holds the longest request alone, plus some slack.
     longest = max(p + m for _, p, m in reqs)
     num_blocks = -(-longest // block_size) + spare_blocks
-    order = "priority" if policy == "priority" else "fcfs"
-    sched = make_scheduler("static" if policy == "static" else "iteration", num_blocks, block_size,
-                           max_num_seqs, budget, prefix_caching=prefix_caching, order=order)
+    policy = "priority" if kind == "priority" else "fcfs"
+    sched = make_scheduler("static" if kind == "static" else "iteration", num_blocks, block_size,
+                           max_num_seqs, budget, prefix_caching=prefix_caching, scheduling_policy=policy)
     res = simulate(sched, arrivals)
     assert res.max_tokens_in_step <= budget
     assert res.max_seqs_in_step <= max_num_seqs

@@ -7,11 +7,7 @@ queue limit is easy to reach; the last test stops it with SIGTERM.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,17 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from paths import STORIES
+from travelator.server.process import ServerProcess, free_port, serve_command
 
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
 
 ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 0.5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gauge(url: str, name: str) -> float:
@@ -48,30 +39,18 @@ def gauge(url: str, name: str) -> float:
 def served(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     port = free_port()
-    env = {**os.environ, "TRAVELATOR_MODEL": str(STORIES), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "travelator.cli", "serve", "--dtype", "float32", "--port", str(port),
-           "--num-kv-blocks", "256", "--max-num-seqs", "1", "--max-waiting", "1",
-           "--shutdown-grace", str(GRACE_S)]  # no --model: the built-in default, announced
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    env = {"TRAVELATOR_MODEL": str(STORIES), "OMP_NUM_THREADS": "1"}
+    args = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "1", "--max-waiting", "1",
+            "--shutdown-grace", str(GRACE_S)]  # no --model: the built-in default, announced
+    server = ServerProcess(serve_command(args, port), port, env=env, cwd=ROOT, log_path=log_path)
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-        yield SimpleNamespace(proc=proc, url=url, log=log_path)
+        try:
+            server.start(timeout=120)
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        yield SimpleNamespace(proc=server.proc, url=server.base_url, log=log_path)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.close()
 
 
 def test_default_model_is_announced(served):

@@ -1,4 +1,4 @@
-"""A short soak and chaos run (travelator.soak) on stories260K, and the self-checks it relies on.
+"""A short soak and chaos run (travelator bench soak) on stories260K, and the self-checks it relies on.
 
 The soak starts `travelator serve` itself (one torch thread, a KV pool of 24 blocks so that
 requests are preempted, a waiting queue of 32 so that bursts get 503), sends a few hundred mixed
@@ -16,10 +16,12 @@ import pytest
 from paths import STORIES
 from live import serve_in_thread
 from travelator import LLM
-from travelator.engine.async_engine import AsyncEngine, engine_self_check
+from travelator.engine.async_engine import AsyncEngine
+from travelator.engine.self_check import engine_self_check
 from travelator.server.app import build_app
 from travelator.server.settings import ServerSettings
-from travelator.soak import SoakConfig, run_soak
+from travelator.bench.soak.config import SoakConfig
+from travelator.bench.soak.driver import run_soak
 
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
 
@@ -78,6 +80,17 @@ def test_self_check_sees_a_leak():
     report = engine_self_check(engine)
     assert not report["ok"] and report["kv"]["consistency"].startswith("failed")
     engine.kv._ref_cnt[3] = 0  # noqa: SLF001
+
+
+def test_self_check_sees_a_lost_block():
+    """Free and used blocks are counted independently, so their sum can miss the total."""
+    llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=16, max_model_len=128)
+    engine = llm.engine
+    engine.kv._free.popitem()  # a block vanishes from the pool
+    report = engine_self_check(engine)
+    assert not report["ok"] and not report["kv"]["free_plus_used_equals_total"]
+    assert "free 15 + used 0 != total 16 blocks" in report["problems"]
+    assert report["kv"]["consistency"].startswith("failed: blocks in no block table and not free")
 
 
 def test_debug_endpoint_is_off_by_default_and_guarded_by_the_key():

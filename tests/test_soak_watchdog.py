@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,6 +26,7 @@ from travelator import LLM
 from travelator.engine import model_runner
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
+from travelator.server.process import ServerProcess, free_port
 from travelator.server.settings import ServerSettings
 
 pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
@@ -286,46 +284,27 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["raise", "stuck"])
 def test_serve_exits_nonzero_when_the_step_loop_is_lost(tmp_path, mode):
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1"}
     if mode == "stuck":
         env["TRAVELATOR_STEP_TIMEOUT_S"] = "1"
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-c", _FAULTY_SERVE, mode, "serve", "--model", str(STORIES), "--dtype", "float32",
            "--port", str(port), "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-grace", "1"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(cmd, port, env=env, cwd=ROOT, log_path=log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        server.start(timeout=120)
         t0 = time.monotonic()
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5},
+                       timeout=30)
         assert r.status_code == 500, r.text
         assert r.json()["error"]["code"] == "engine_dead"
         assert ("the step loop dies" if mode == "raise" else "step_timeout_s") in r.json()["error"]["message"]
-        rc = proc.wait(30)
+        rc = server.proc.wait(30)
         assert rc == 1, log_path.read_text()
         assert time.monotonic() - t0 < 20
         assert "shutting the server down" in log_path.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.close()

@@ -81,6 +81,7 @@ def test_dummy_weights_same_model_and_half_the_weights_per_rank():
     try:
         got = [r.token_ids for r in two.generate(prompts, greedy(10), use_tqdm=False)]
         per_rank = [m["weights"] for m in two.engine.runner.call("memory")]
+        check_runner_states_on_every_rank(two)
     finally:
         two.shutdown()
     want = [r.token_ids for r in one.generate(prompts, greedy(10), use_tqdm=False)]
@@ -89,6 +90,23 @@ def test_dummy_weights_same_model_and_half_the_weights_per_rank():
     # Everything is split but the norms (a few hundred floats), so each rank holds ~half.
     for b in per_rank:
         assert 0.5 <= b / total < 0.51, (b, total)
+
+
+def check_runner_states_on_every_rank(llm: LLM) -> None:
+    """The self-check reads the request states of a tensor-parallel group too."""
+    from travelator.engine.model_runner import RunnerRequestState
+    from travelator.engine.self_check import engine_self_check
+    from travelator.sampling_params import SamplingParams
+
+    assert engine_self_check(llm.engine)["ok"]
+    driver = llm.engine.runner.runner
+    driver.states["ghost"] = RunnerRequestState("ghost", 1, [1], SamplingParams(), [], 0)
+    try:
+        report = engine_self_check(llm.engine)
+    finally:
+        del driver.states["ghost"]
+    assert not report["ok"]
+    assert "runner states of finished requests: ['ghost']" in report["problems"]
 
 
 def test_shard_splits_fused_parts_and_pads_the_vocabulary():

@@ -1,6 +1,29 @@
-"""travelator: an LLM inference server built on iteration-level scheduling."""
+"""travelator: an LLM inference server built on iteration-level scheduling.
 
-from travelator.llm import LLM, GenerationResult
-from travelator.sampling_params import SamplingParams
+The exports load on first use, so that importing a torch-free part (the scheduler, the
+block manager, the configuration) does not pull in torch through this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from travelator.llm import LLM, GenerationResult
+    from travelator.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "travelator.llm",
+    "GenerationResult": "travelator.llm",
+    "SamplingParams": "travelator.sampling_params",
+}
 
 __all__ = ["LLM", "GenerationResult", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'travelator' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -6,71 +6,10 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
-# The built-in default: the small trained story model beside a checkout, else random
-# weights of the "tiny" preset, so every command runs with no download.
-_DEFAULT_MODEL_CANDIDATES = ("../shared/models/stories260K.gguf",)
-_FALLBACK_MODEL = "dummy:tiny"
-
-
-def default_model() -> str:
-    env = os.environ.get("TRAVELATOR_MODEL")
-    if env:
-        return env
-    for candidate in _DEFAULT_MODEL_CANDIDATES:
-        if Path(candidate).exists():
-            return candidate
-    return _FALLBACK_MODEL
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF-layout directory, .gguf file or dummy:<preset> "
-                        "(presets: tiny, llama-50m, llama-250m, llama-1b); default: built-in")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
-    g.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size in GiB")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of the KV cache (auto: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--scheduler", default="iteration", choices=["iteration", "static"],
-                   help="iteration-level (continuous) batching or the static baseline")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs: first come first served; priority: lower request priority first, "
-                        "and the lowest-priority latest request is preempted first")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N ranks (gloo on CPU, NCCL on CUDA); the engine "
-                        "launches N-1 workers here, or run every rank under torchrun")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduler=args.scheduler, scheduling_order=args.scheduling_policy,
-        enable_prefix_caching=not args.no_prefix_caching, device=args.device, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
-
-
-def resolve_model(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    model = default_model()
-    print(f"no --model given: using the built-in default {model}", file=sys.stderr)
-    return model
+from travelator.bench.cli import add_bench_parser
+from travelator.default_model import resolve_model
+from travelator.engine_args import add_engine_args, engine_kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -158,8 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds after which a step that has not returned marks the engine stuck "
                           "(503 on /health, server exits 1); also TRAVELATOR_STEP_TIMEOUT_S")
     srv.set_defaults(func=cmd_serve)
-
-    from travelator.bench.cli import add_bench_parser  # here: it imports this module
 
     add_bench_parser(sub)
     return parser

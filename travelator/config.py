@@ -1,55 +1,127 @@
-"""Engine configuration, validated once at start-up."""
+"""Engine configuration, validated once at start-up: the one definition of every setting.
+
+Each field of a section (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
+``ParallelConfig``) is annotated with a ``Setting``: its help text and how it is spelled on the
+command line. ``engine_args.py`` reads these fields: it makes the engine flags
+of ``generate``, ``serve`` and ``bench``, and the keywords of ``LLM(model, **kwargs)``. A field
+added here shows up in all of them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, Literal
 
-SchedulerPolicy = Literal["iteration", "static"]
-SchedulingOrder = Literal["fcfs", "priority"]
+Batching = Literal["iteration", "static"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "dummy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A config field's description and spelling, given as ``Annotated[type, Setting(...)]``."""
+
+    help: str
+    flag: str | None = None  # default: --<name with dashes>
+    short_flag: str | None = None
+    cli_unit: tuple[str, int] | None = None  # (name, factor): the flag takes value / factor
+    old_keywords: tuple[str, ...] = ()  # former LLM keywords, accepted with a warning
+    old_flags: tuple[str, ...] = ()  # former flags, accepted with a warning
+
+
+def setting_of(section: type, name: str) -> Setting:
+    """The ``Setting`` a field of a config section is annotated with."""
+    hint = typing.get_type_hints(section, include_extras=True)[name]
+    (found,) = [m for m in typing.get_args(hint)[1:] if isinstance(m, Setting)]
+    return found
+
+
+def field_choices(section: type) -> dict[str, tuple[Any, ...]]:
+    """The allowed values of each Literal-typed field (or optional one) of a config section."""
+    hints = typing.get_type_hints(section)
+    return {f.name: values for f in fields(section)
+            if (values := _literal_values(hints[f.name])) is not None}
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...] | None:
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    for arg in typing.get_args(hint):  # Literal[...] | None
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def _check_choices(section: object) -> None:
+    for name, allowed in field_choices(type(section)).items():
+        value = getattr(section, name)
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    model: str  # a HF-layout directory, a .gguf file, or "dummy:<preset>"
-    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
-    load_format: str = "auto"  # "auto" or "dummy" (random weights from the config)
-    max_model_len: int | None = None
-    seed: int = 0
+    model: Annotated[str, Setting(
+        "HF-layout directory, .gguf file or dummy:<preset> (presets: tiny, llama-50m, llama-250m, "
+        "llama-1b); default: the built-in one")]
+    dtype: Annotated[DType, Setting(
+        "weights and activations (auto: float32 checkpoints stay float32, others bfloat16 where "
+        "the hardware runs it)")] = "auto"
+    load_format: Annotated[LoadFormat, Setting(
+        "dummy: random weights of the model's shape")] = "auto"
+    max_model_len: Annotated[int | None, Setting(
+        "context limit (default: the model's, or what the KV pool holds)")] = None
+    seed: Annotated[int, Setting("seed of dummy weights")] = 0
+    device: Annotated[str, Setting("cpu, cuda, cuda:N or auto")] = "auto"
+
+    def validate(self) -> None:
+        _check_choices(self)
 
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # exact pool size; wins over kv_cache_bytes
-    kv_cache_bytes: int | None = None  # default: a share of free memory, see engine
-    kv_cache_dtype: str = "auto"  # "auto" follows the model dtype
-    enable_prefix_caching: bool = True
+    block_size: Annotated[int, Setting("tokens per KV block")] = 16
+    num_kv_blocks: Annotated[int | None, Setting(
+        "exact KV pool size in blocks (wins over --kv-cache-gb)")] = None
+    kv_cache_bytes: Annotated[int | None, Setting(
+        "KV pool size in bytes; in GiB on the command line (default: max_num_seqs full contexts, "
+        "at most 30% of free memory)", flag="--kv-cache-gb", cli_unit=("GiB", 1 << 30))] = None
+    kv_cache_dtype: Annotated[DType, Setting("dtype of the KV cache (auto: the model's)")] = "auto"
+    enable_prefix_caching: Annotated[bool, Setting(
+        "turn automatic prefix caching off", flag="--no-prefix-caching")] = True
 
     def validate(self) -> None:
+        _check_choices(self)
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError("num_blocks must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be positive")
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    policy: SchedulerPolicy = "iteration"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    order: SchedulingOrder = "fcfs"  # "priority": lower Request.priority first
-    max_overtakes: int = 16  # times a waiting request that does not fit may be passed
+    batching: Annotated[Batching, Setting(
+        "iteration-level (continuous) batching, or the static (request-level) baseline",
+        old_keywords=("scheduler",), old_flags=("--scheduler",))] = "iteration"
+    max_num_seqs: Annotated[int, Setting("most requests in one step")] = 128
+    max_num_batched_tokens: Annotated[int, Setting(
+        "token budget of one step; longer prompts are chunked")] = 1024
+    scheduling_policy: Annotated[SchedulingPolicy, Setting(
+        "fcfs: first come first served; priority: lower request priority first, and the "
+        "lowest-priority latest request is preempted first",
+        old_keywords=("scheduling_order",))] = "fcfs"
+    max_overtakes: Annotated[int, Setting(
+        "times a waiting request that does not fit the free blocks may be overtaken by later ones "
+        "that do; then nobody is admitted past it until it fits")] = 16
 
     def validate(self) -> None:
-        if self.policy not in ("iteration", "static"):
-            raise ValueError(f"unknown scheduler policy {self.policy!r}")
-        if self.order not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling order {self.order!r}; use fcfs or priority")
-        if self.order == "priority" and self.policy == "static":
-            raise ValueError("priority scheduling needs the iteration-level scheduler")
+        _check_choices(self)
+        if self.scheduling_policy == "priority" and self.batching == "static":
+            raise ValueError("priority scheduling needs iteration-level batching")
         if self.max_overtakes < 0:
             raise ValueError("max_overtakes must be non-negative")
         if self.max_num_seqs < 1:
@@ -60,9 +132,9 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    # Ranks one model is split over (Megatron-style tensor parallelism). Above 1 the engine
-    # launches size - 1 worker processes on this machine, unless torchrun launched it.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[int, Setting(
+        "split the model over N ranks (Megatron-style; gloo on CPU, NCCL on CUDA); the engine "
+        "launches N-1 workers here, or run every rank under torchrun", short_flag="-tp")] = 1
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -77,6 +149,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
+        self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
-from travelator.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from travelator.engine.engine import LLMEngine
 from travelator.engine.outputs import RequestOutput, TokenLogprob
+from travelator.engine_args import engine_config
+from travelator.prompts import Prompt, PromptInput, parse_prompts
 from travelator.sampling_params import SamplingParams
 
 
@@ -49,35 +51,17 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        load_format: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 1024,
-        scheduler: str = "iteration",
-        scheduling_order: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        device: str = "auto",
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model, dtype, load_format, max_model_len, seed),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, kv_cache_dtype,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(scheduler, max_num_seqs, max_num_batched_tokens,
-                                      order=scheduling_order),
-            parallel=ParallelConfig(tensor_parallel_size),
-        )
-        self.engine = LLMEngine(config, device=device)
+    """Offline generation over an ``LLMEngine``.
+
+    ``kwargs`` are engine settings, by name: every field of the config sections in config.py
+    (``dtype``, ``max_model_len``, ``num_kv_blocks``, ``max_num_seqs``, ``batching``,
+    ``scheduling_policy``, ``max_overtakes``, ``tensor_parallel_size``, ...; ``travelator
+    generate --help`` lists them with their defaults). An unknown one is a TypeError that
+    lists the valid ones.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def shutdown(self) -> None:
@@ -86,51 +70,37 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: PromptInput | Sequence[PromptInput],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[GenerationResult]:
         """Generate for every prompt; results come back in prompt order.
 
-        All prompts are validated before any is queued, so one bad prompt fails the
-        call without leaving the others half-run in the engine.
+        A prompt is a string, a list of token ids, ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``; a dict may carry a ``"cache_salt"`` (see prompts.py).
+        All prompts are queued before any step runs, and one bad prompt fails the call
+        without leaving the others half-run in the engine.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        parsed = parse_prompts(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
+            params = [params or SamplingParams()] * len(parsed)
+        params = list(params)
+        if len(params) != len(parsed):
             raise ValueError("give one SamplingParams, or one per prompt")
-        engine = self.engine
         for p in params:
             p.validate()
-        ids: dict[str, tuple[int, int]] = {}
-        added: list[str] = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                for j in range(p.n):
-                    sub = p if p.n == 1 else _sub_params(p, j)
-                    req = engine.add_request(prompt, sub)
-                    ids[req.request_id] = (i, j)
-                    added.append(req.request_id)
-        except ValueError:
-            engine.abort_request(added)
-            raise
+        ids = self._queue(parsed, params)
         results = [
-            GenerationResult(
-                prompts[i] if isinstance(prompts[i], str) else None,
-                engine.scheduler.requests[rid].prompt_token_ids,
-                [None] * params[i].n,  # type: ignore[list-item]
-            )
+            GenerationResult(parsed[i].text, self.engine.scheduler.requests[rid].prompt_token_ids,
+                             [None] * params[i].n)  # type: ignore[list-item]
             for rid, (i, j) in ids.items() if j == 0
         ]
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         remaining = set(ids)
         while remaining:
-            for out in engine.step():
+            for out in self.engine.step():
                 if out.request_id not in ids:
                     continue
                 logprobs[out.request_id].extend(out.new_logprobs)
@@ -142,12 +112,19 @@ class LLM:
         bar.close()
         return results
 
-
-def _sub_params(p: SamplingParams, index: int) -> SamplingParams:
-    """The index-th of n samples: its own seed so the n samples differ but stay reproducible."""
-    from dataclasses import replace
-
-    return replace(p, n=1, seed=None if p.seed is None else p.seed + index)
+    def _queue(self, prompts: list[Prompt], params: list[SamplingParams]) -> dict[str, tuple[int, int]]:
+        """Add choice j of prompt i for every (i, j); request id -> (i, j). All or none."""
+        ids: dict[str, tuple[int, int]] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                for j in range(p.n):
+                    req = self.engine.add_request(prompt.engine_input, p if p.n == 1 else p.for_choice(j),
+                                                  cache_salt=prompt.cache_salt)
+                    ids[req.request_id] = (i, j)
+        except ValueError:
+            self.engine.abort_request(list(ids))
+            raise
+        return ids
 
 
 def _completion(index: int, out: RequestOutput, logprobs: list[TokenLogprob],

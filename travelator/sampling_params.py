@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from travelator.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 
@@ -43,30 +45,44 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Raises InvalidRequestError naming the field at fault."""
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+            raise InvalidRequestError(f"n must be at least 1, got {self.n}", "n")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+            raise InvalidRequestError(
+                f"temperature must be non-negative, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                "repetition_penalty")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise InvalidRequestError(
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise InvalidRequestError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                "frequency_penalty")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}",
+                                      "max_tokens")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+            raise InvalidRequestError(f"min_tokens must be non-negative, got {self.min_tokens}",
+                                      "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
+            raise InvalidRequestError("min_tokens must not exceed max_tokens", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative")
+            raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of ``n``: one sample, with its own seed (``seed +
+        index``), so that the choices differ but each stays reproducible."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def greedy(self) -> bool:

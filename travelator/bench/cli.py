@@ -1,7 +1,7 @@
-"""``travelator bench throughput | serve | compare``.
+"""``travelator bench throughput | serve | compare | soak``.
 
 ``add_bench_parser(subparsers)`` adds the ``bench`` command to the main CLI;
-``python -m travelator.bench.cli <throughput|serve|compare> ...`` runs it standalone.
+``python -m travelator.bench.cli <throughput|serve|compare|soak> ...`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from pathlib import Path
 from travelator.bench.arrivals import parse_rate
 from travelator.bench.compare import jsonable
 from travelator.bench.metrics import compute_metrics, format_metrics, format_table, parse_slo
+from travelator.bench.soak.cli import add_soak_parser
 from travelator.bench.workloads import WORKLOADS, Workload, make_workload
-from travelator.cli import add_engine_args, engine_kwargs, resolve_model
+from travelator.default_model import resolve_model
+from travelator.engine_args import add_engine_args, engine_argv, engine_kwargs
 
 _EPILOG = """Workloads (outputs are always forced to their lengths with ignore_eos):
   orca            prompt/output lengths uniform in --prompt-len-range / --output-len-range
@@ -97,7 +99,7 @@ def _engine_info(engine) -> dict:
             "max_model_len": engine.max_model_len,
             "max_num_seqs": engine.config.scheduler.max_num_seqs,
             "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
-            "scheduler": engine.config.scheduler.policy}
+            "scheduler": engine.config.scheduler.batching}
 
 
 # ---- bench throughput -----------------------------------------------------------------
@@ -120,7 +122,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         run = run_engine(engine, workload, progress=progress, desc="throughput")
     metrics = compute_metrics(run.results, run.duration_s, slo)
     steps = run.step_summary()
-    print(format_metrics(metrics, f"travelator throughput ({engine.config.scheduler.policy})"))
+    print(format_metrics(metrics, f"travelator throughput ({engine.config.scheduler.batching})"))
     print(f"steps {steps['num_steps']}, mean batch {steps.get('mean_batch_requests', 0):.1f} requests / "
           f"{steps.get('mean_batch_tokens', 0):.0f} tokens, occupancy "
           f"{steps.get('time_weighted_occupancy', 0):.0%}, preemptions {steps.get('preemptions', 0)}")
@@ -161,29 +163,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 # ---- bench serve ----------------------------------------------------------------------
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine options the user gave, as command-line arguments for ``serve``."""
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    argv: list[str] = []
-    for action in probe._actions:
-        if not action.option_strings:
-            continue
-        value = getattr(args, action.dest, None)
-        if value is None or value == action.default:
-            continue
-        if action.nargs == 0:  # a flag such as --no-prefix-caching
-            argv.append(action.option_strings[0])
-        elif isinstance(value, (list, tuple)):
-            argv += [action.option_strings[0], *map(str, value)]
-        else:
-            argv += [action.option_strings[0], str(value)]
-    return argv
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from travelator.bench.arrivals import arrival_times
-    from travelator.bench.client import ManagedServer, ServerSettings, run_serve
     from travelator.model.loader import open_model
 
     slo = parse_slo(args.goodput)
@@ -201,52 +181,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         vocab, ctx = arch.vocab_size, args.max_model_len or arch.max_position_embeddings
     workload = build_workload(args, vocab, ctx)
     _print_workload(workload)
-    progress = not args.no_progress
     server = None
     base_url = args.base_url
     if base_url is None:
-        serve_args = _engine_argv(args)
-        if "--model" not in serve_args:
-            serve_args = ["--model", model, *serve_args]
-        serve_args += args.server_arg or []
-        server = ManagedServer(serve_args, startup_timeout_s=args.server_timeout,
-                               log_path=args.server_log)
-        print(f"starting: {' '.join(server.argv)}", file=sys.stderr)
         try:
-            server.start()
+            server = _start_server(args, model)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         base_url = server.base_url
-    runs = []
-    failed = 0
     try:
-        settings = ServerSettings(base_url, args.served_model_name, args.api_key)
-        if args.warmup:
-            from travelator.bench.workloads import fixed
-
-            warm = fixed(2, vocab_size=vocab, prompt_len=8, output_len=4)
-            run_serve(settings, warm, [0.0, 0.0], progress=False)
-        for k, rate in enumerate(rates):
-            arrivals = arrival_times(len(workload), rate, burstiness=args.burstiness,
-                                     seed=args.arrival_seed)
-            # Salted per rate so that a prefix-caching server does the same work each time.
-            run = run_serve(settings, workload.salted(k), arrivals, max_concurrency=args.max_concurrency,
-                            progress=progress, desc=f"serve @ {rate:g} req/s")
-            m = compute_metrics(run.results, run.duration_s, slo)
-            failed += m["failed"]
-            print(format_metrics(m, f"serve @ {rate:g} req/s"
-                                    + (f", <= {args.max_concurrency} in flight" if args.max_concurrency else "")))
-            errors = sorted({r.error for r in run.results if r.error})
-            for e in errors[:5]:
-                print(f"  error: {e}", file=sys.stderr)
-            runs.append({"rate": rate, "metrics": m, "errors": errors[:20],
-                         "requests": [{"prompt_len": r.prompt_len, "output_len": r.output_len,
-                                       "ttft": r.ttft, "e2e": r.e2e, "num_events": len(r.token_times)}
-                                      for r in run.results]})
+        runs = _serve_runs(args, base_url, workload, vocab, rates, slo)
     finally:
         if server is not None:
             server.stop()
+            server.close()
     if len(runs) > 1:
         rows = [dict(rate=r["rate"], **r["metrics"]) for r in runs]
         print(format_table(rows, [("rate", "rate", "{:g}"), ("req/s", "request_throughput", "{:.3f}"),
@@ -260,7 +209,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "benchmark": "serve", "base_url": base_url, "started_server": server is not None,
         "model": model, "workload": workload.summary(), "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency, "runs": runs})
-    return 1 if failed else 0
+    return 1 if any(r["metrics"]["failed"] for r in runs) else 0
+
+
+def _start_server(args: argparse.Namespace, model: str):
+    """``travelator serve`` with the engine options given here, on a free port; healthy."""
+    from travelator.server.process import ServerProcess, free_port, serve_command
+
+    serve_args = engine_argv(args)
+    if "--model" not in serve_args:
+        serve_args = ["--model", model, *serve_args]
+    serve_args += args.server_arg or []
+    port = free_port()
+    server = ServerProcess(serve_command(serve_args, port), port, log_path=args.server_log)
+    print(f"starting: {' '.join(server.argv)}", file=sys.stderr)
+    try:
+        server.start(args.server_timeout)
+    except RuntimeError:
+        server.close()
+        raise
+    return server
+
+
+def _serve_runs(args: argparse.Namespace, base_url: str, workload: Workload, vocab: int,
+                rates: list[float], slo) -> list[dict]:
+    """One run of the workload per request rate (after a warm-up), each with its metrics."""
+    from travelator.bench.arrivals import arrival_times
+    from travelator.bench.client import ServerTarget, run_serve
+
+    target = ServerTarget(base_url, args.served_model_name, args.api_key)
+    if args.warmup:
+        from travelator.bench.workloads import fixed
+
+        warm = fixed(2, vocab_size=vocab, prompt_len=8, output_len=4)
+        run_serve(target, warm, [0.0, 0.0], progress=False)
+    runs = []
+    for k, rate in enumerate(rates):
+        arrivals = arrival_times(len(workload), rate, burstiness=args.burstiness, seed=args.arrival_seed)
+        # Salted per rate so that a prefix-caching server does the same work each time.
+        run = run_serve(target, workload.salted(k), arrivals, max_concurrency=args.max_concurrency,
+                        progress=not args.no_progress, desc=f"serve @ {rate:g} req/s")
+        m = compute_metrics(run.results, run.duration_s, slo)
+        print(format_metrics(m, f"serve @ {rate:g} req/s"
+                                + (f", <= {args.max_concurrency} in flight" if args.max_concurrency else "")))
+        errors = sorted({r.error for r in run.results if r.error})
+        for e in errors[:5]:
+            print(f"  error: {e}", file=sys.stderr)
+        runs.append({"rate": rate, "metrics": m, "errors": errors[:20],
+                     "requests": [{"prompt_len": r.prompt_len, "output_len": r.output_len,
+                                   "ttft": r.ttft, "e2e": r.e2e, "num_events": len(r.token_times)}
+                                  for r in run.results]})
+    return runs
 
 
 # ---- bench compare --------------------------------------------------------------------
@@ -291,10 +290,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 # ---- the parser -----------------------------------------------------------------------
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: offline throughput, online serving, static vs iteration-level",
+        "bench", help="benchmarks: offline throughput, online serving, static vs iteration-level, "
+                      "soak",
         description="Benchmarks. Every workload is generated from a seed; outputs are forced to "
                     "their lengths so that runs are compared on the same work.")
-    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,compare}")
+    sub = bench.add_subparsers(dest="bench_command", required=True,
+                               metavar="{throughput,serve,compare,soak}")
     fmt = argparse.RawDescriptionHelpFormatter
 
     tp = sub.add_parser("throughput", help="offline: every request at once, through the engine",
@@ -341,7 +342,7 @@ def add_bench_parser(subparsers) -> None:
     cp = sub.add_parser("compare", help="Orca's experiment: static vs iteration-level scheduling "
                                         "over a sweep of request rates",
                         description="Runs the same workload and Poisson arrivals through two engines "
-                                    "that differ only in the scheduler (--scheduler is ignored), "
+                                    "that differ only in the batching (--batching is ignored), "
                                     "writes compare.json and two PNGs to --output-dir, and ends with "
                                     "the throughput ratio at the same latency target.",
                         epilog=_EPILOG, formatter_class=fmt)
@@ -360,6 +361,8 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--output-dir", default="bench-results", help="compare.json and the PNGs go here")
     g.add_argument("--no-progress", action="store_true")
     cp.set_defaults(func=cmd_compare)
+
+    add_soak_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

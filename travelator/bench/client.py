@@ -14,15 +14,8 @@ concurrency cap, as vLLM's benchmark does).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import httpx
@@ -35,7 +28,9 @@ from travelator.bench.workloads import Workload
 
 
 @dataclass(slots=True)
-class ServerSettings:
+class ServerTarget:
+    """The server a benchmark sends its requests to."""
+
     base_url: str
     model: str | None = None  # the served model name; asked from /v1/models when None
     api_key: str | None = None
@@ -114,19 +109,19 @@ async def _one_request(client: httpx.AsyncClient, url: str, payload: dict, res: 
         res.end = clock()
 
 
-async def run_serve_async(settings: ServerSettings, workload: Workload, arrivals,
+async def run_serve_async(target: ServerTarget, workload: Workload, arrivals,
                           *, max_concurrency: int | None = None, progress: bool = True,
                           desc: str = "requests") -> RunResult:
     n = len(workload)
     arrivals = np.asarray(arrivals, dtype=float)
     limits = httpx.Limits(max_connections=max(n, 1), max_keepalive_connections=max(n, 1))
-    timeout = httpx.Timeout(settings.timeout_s, connect=30.0)
-    url = settings.base_url.rstrip("/") + "/v1/completions"
+    timeout = httpx.Timeout(target.timeout_s, connect=30.0)
+    url = target.base_url.rstrip("/") + "/v1/completions"
     results = [RequestResult(r.prompt_len, r.output_len, float(a))
                for r, a in zip(workload.requests, arrivals)]
     async with httpx.AsyncClient(limits=limits, timeout=timeout,
-                                 headers=_headers(settings.api_key)) as client:
-        model = settings.model or await served_model_name(client, settings.base_url.rstrip("/"))
+                                 headers=_headers(target.api_key)) as client:
+        model = target.model or await served_model_name(client, target.base_url.rstrip("/"))
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         bar = tqdm(total=n, desc=desc, unit="req", disable=not progress, leave=False)
         t0 = time.perf_counter()
@@ -159,83 +154,6 @@ async def run_serve_async(settings: ServerSettings, workload: Workload, arrivals
     return RunResult(results, duration)
 
 
-def run_serve(settings: ServerSettings, workload: Workload, arrivals, **kw) -> RunResult:
-    return asyncio.run(run_serve_async(settings, workload, arrivals, **kw))
+def run_serve(target: ServerTarget, workload: Workload, arrivals, **kw) -> RunResult:
+    return asyncio.run(run_serve_async(target, workload, arrivals, **kw))
 
-
-# ---- a server the benchmark starts itself -------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ManagedServer:
-    """``python -m travelator.cli serve ...`` as a subprocess, ready once /health is 200."""
-
-    def __init__(self, serve_args: list[str], host: str = "127.0.0.1", port: int | None = None,
-                 startup_timeout_s: float = 180.0, log_path: str | None = None) -> None:
-        self.host = host
-        self.port = port or free_port()
-        self.argv = [sys.executable, "-m", "travelator.cli", "serve", *serve_args,
-                     "--host", host, "--port", str(self.port)]
-        self.startup_timeout_s = startup_timeout_s
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-        self._tail: deque[str] = deque(maxlen=40)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> "ManagedServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "w") if self.log_path else None  # noqa: SIM115
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        import threading
-
-        threading.Thread(target=self._pump, daemon=True).start()
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the server exited with code {self.proc.returncode} before it was ready:\n"
-                    + "".join(self._tail))
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"the server was not healthy within {self.startup_timeout_s:.0f} s:\n"
-                           + "".join(self._tail))
-
-    def _pump(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._tail.append(line)
-            if self._log:
-                self._log.write(line)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log:
-            with contextlib.suppress(Exception):
-                self._log.close()
-            self._log = None

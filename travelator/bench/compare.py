@@ -142,7 +142,7 @@ def run_compare(
         raise ValueError(f"the occupancy rate {occ_rate:g} is not one of the swept rates")
     engines = {}
     for sched in SCHEDULERS:
-        kw = dict(engine_kwargs, scheduler=sched)
+        kw = dict(engine_kwargs, batching=sched)
         engines[sched] = LLM(model, **kw).engine
         warm_up(engines[sched])
     eng0 = engines["iteration"]
@@ -176,7 +176,7 @@ def run_compare(
     line, ratio = ratio_line(rows, target)
     report = {
         "model": model_info,
-        "engine": {k: v for k, v in engine_kwargs.items() if k != "scheduler"},
+        "engine": {k: v for k, v in engine_kwargs.items() if k != "batching"},
         "workload": workload.summary(),
         "arrivals": {"process": "poisson" if burstiness == 1 else "gamma",
                      "burstiness": burstiness, "seed": arrival_seed},

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from tqdm import tqdm
 
 from travelator.bench.metrics import RequestResult
@@ -135,13 +134,3 @@ def run_transformers(arch, workload: Workload, *, batch_size: int, dtype: str = 
     del model
     return RunResult(results, duration), padding
 
-
-def padded_token_counts(workload: Workload, batch_size: int) -> tuple[int, int]:
-    """(computed, useful) prompt + output tokens of padded static batches, for reports."""
-    computed = useful = 0
-    reqs = workload.requests
-    for s in range(0, len(reqs), batch_size):
-        b = reqs[s:s + batch_size]
-        computed += len(b) * (max(r.prompt_len for r in b) + max(r.output_len for r in b))
-        useful += int(np.sum([r.prompt_len + r.output_len for r in b]))
-    return computed, useful

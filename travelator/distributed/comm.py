@@ -83,10 +83,6 @@ class TPGroup:
             self.data = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
         self.device = device
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
     # ---- tensors (inside the model) -----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""

@@ -40,9 +40,9 @@ from travelator.distributed.comm import (
     launch_env,
 )
 from travelator.distributed.worker import STOP, Worker, WorkerSpec, rank_device, run_worker
+from travelator.engine.executor import Executor
 from travelator.engine.model_runner import ModelRunner
-from travelator.engine.scheduler import SampledToken
-from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.model.arch import ModelArch
 from travelator.model.loader import WeightIterator
 
@@ -54,10 +54,10 @@ class TensorParallelError(RuntimeError):
     engine cannot go on."""
 
 
-def make_runner(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
-                weights: WeightIterator | None, *, dtype: torch.dtype, kv_dtype: torch.dtype,
-                device: torch.device, max_model_len: int, seed: int,
-                eos_token_ids: frozenset[int]) -> ModelRunner | TPExecutor:
+def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
+                  weights: WeightIterator | None, *, dtype: torch.dtype, kv_dtype: torch.dtype,
+                  device: torch.device, max_model_len: int, seed: int,
+                  eos_token_ids: frozenset[int]) -> Executor:
     """A plain ModelRunner for one rank, or the driver of a tensor-parallel group.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank but 0
@@ -121,8 +121,7 @@ def _close(g: _Group) -> None:
 
 
 class TPExecutor:
-    """Rank 0 of a tensor-parallel group, behind the ModelRunner interface the engine uses
-    (``kv_bytes_per_block``, ``allocate_kv_cache``, ``execute``) plus ``shutdown``."""
+    """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
     def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                  size: int, env: LaunchEnv | None) -> None:
@@ -257,14 +256,14 @@ class TPExecutor:
         if self._dead_workers():
             raise self._broken(None)
 
-    # ---- the ModelRunner interface -------------------------------------------------------
+    # ---- the Executor interface ----------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.runner.kv_bytes_per_block(block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.call("allocate_kv_cache", num_blocks, block_size)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         with self._g.lock:
             self._ensure_alive()
             sampled, self._sampled = self._sampled, []
@@ -273,8 +272,15 @@ class TPExecutor:
                 result = self.runner.execute(out)
             except Exception as exc:
                 raise self._broken(exc) from exc
-            self._sampled = [(rid, tok.token_id) for rid, tok in result.items()]
+            self._sampled = [(rid, tok.token_id) for rid, tok in result.sampled.items()]
             return result
+
+    @property
+    def phase_times(self) -> dict[str, float]:
+        return self.runner.phase_times
+
+    def held_request_ids(self) -> set[str]:
+        return set().union(*self.call("held_request_ids"))
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Run a ``Worker`` method on every rank; the results in rank order."""

@@ -6,7 +6,7 @@ never samples: the driver does both, once.
 Start one with ``python -m travelator.distributed`` in a torchrun-style
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The engine's own
 launcher does that for one machine; under ``torchrun`` the engine's constructor turns
-every rank but 0 into a worker (see executor.make_runner).
+every rank but 0 into a worker (see executor.make_executor).
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ class Worker:
             "kv_cache": sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                             for k, v in r.kv_caches),
         }
+
+    def held_request_ids(self) -> set[str]:
+        return self.runner.held_request_ids()
 
     def pid(self) -> int:
         return os.getpid()

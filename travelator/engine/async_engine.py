@@ -14,7 +14,7 @@ tells how long the current step has been running, so a stuck step can be noticed
 
 Self-checks: ``run_on_step_thread(fn)`` runs ``fn`` on the step thread between two steps and
 hands back its result, so a reader never sees half-updated engine state; ``self_check()``
-uses it to report the KV pool's accounting and anything leaked (see ``engine_self_check``).
+uses it to report the KV pool's accounting and anything leaked (see ``self_check.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from travelator.engine.engine import LLMEngine, StepStats
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request
+from travelator.engine.self_check import engine_self_check
 from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -107,13 +108,14 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> tuple[Request, asyncio.Queue]:
+                    request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> tuple[Request, asyncio.Queue]:
         """Validate (raising ValueError) and queue; returns the request and its output queue."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        req = self.engine.make_request(prompt, params, request_id, priority)
+        req = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
         if req.request_id in self._streams:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -127,9 +129,10 @@ class AsyncEngine:
         return req, stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; abort it if the consumer goes away."""
-        req, stream = self.add_request(prompt, params, request_id, priority)
+        req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
         finished = False
         try:
             while True:
@@ -305,82 +308,3 @@ def _run_call(fn: Callable[[LLMEngine], Any], engine: LLMEngine, fut: concurrent
     except BaseException as exc:  # noqa: BLE001 - handed to the caller
         fut.set_exception(exc)
 
-
-def engine_self_check(engine: LLMEngine) -> dict:
-    """The engine's accounting, for leak hunting. Call it with the engine quiescent (between
-    steps, on the step thread: ``AsyncEngine.self_check``).
-
-    Reports the KV pool (free + used = total, blocks per owning request), the scheduler's
-    queues, ``KVCacheManager.check_consistency()``, and ``problems``: state that no live request
-    accounts for (blocks owned by unknown requests or by nobody, detokenizers or runner states
-    of finished requests, a request in no queue). ``leaked_blocks`` counts used blocks that no
-    live request holds; at rest (``idle``) every used block is leaked.
-    """
-    kv = engine.kv
-    sched = engine.scheduler
-    live = set(sched.requests)
-    owners = kv.owners()
-    problems: list[str] = []
-    try:
-        kv.check_consistency()
-        consistency = "ok"
-    except AssertionError as exc:
-        consistency = f"failed: {exc}"
-        problems.append(f"KV cache consistency check {consistency}")
-    free, used, total = kv.num_free_blocks, kv.num_used_blocks, kv.num_blocks
-    if free + used != total:
-        problems.append(f"free {free} + used {used} != total {total} blocks")
-    held = {b for rid in owners if rid in live for b in kv.block_ids(rid)}
-    unknown = {rid: n for rid, n in owners.items() if rid not in live}
-    if unknown:
-        problems.append(f"blocks held by requests the scheduler does not know: {unknown}")
-    leaked = used - len(held)
-    if leaked:
-        problems.append(f"{leaked} used blocks held by no live request")
-    queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
-    if queued != live:
-        problems.append(f"requests in no queue: {sorted(live - queued)}; "
-                        f"queued but unknown: {sorted(queued - live)}")
-    stale_detok = sorted(set(engine.detokenizers) - live)
-    if stale_detok:
-        problems.append(f"detokenizers of finished requests: {stale_detok[:10]}")
-    # The runner forgets a finished request at its next step; until then the scheduler lists it
-    # as freed, so only a state that neither side accounts for is a leak.
-    runner_states = getattr(engine.runner, "states", {})
-    pending_free = set(getattr(sched, "_freed", ()))
-    stale_runner = sorted(set(runner_states) - live - pending_free)
-    if stale_runner:
-        problems.append(f"runner states of finished requests: {stale_runner[:10]}")
-    c = engine.counters
-    return {
-        "ok": not problems,
-        "problems": problems,
-        "idle": not live,
-        "kv": {
-            "total_blocks": total,
-            "free_blocks": free,
-            "used_blocks": used,
-            "cached_blocks": getattr(kv, "num_cached_blocks", 0),
-            "block_size": kv.block_size,
-            "free_plus_used_equals_total": free + used == total,
-            "leaked_blocks": leaked,
-            "owners": owners,
-            "consistency": consistency,
-        },
-        "requests": {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "unfinished": len(live),
-            "running_ids": [r.request_id for r in sched.running],
-            "waiting_ids": [r.request_id for r in sched.waiting],
-        },
-        "detokenizers": len(engine.detokenizers),
-        "runner_states": len(runner_states),
-        "counters": {
-            "steps": c.steps,
-            "preemptions": c.preemptions,
-            "prompt_tokens": c.prompt_tokens,
-            "generation_tokens": c.generation_tokens,
-            "finished": dict(c.finished),
-        },
-    }

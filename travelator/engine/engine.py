@@ -13,18 +13,16 @@ from dataclasses import dataclass, field
 import torch
 
 from travelator.config import EngineConfig
+from travelator.distributed.executor import TensorParallelError, make_executor
 from travelator.engine.detokenizer import IncrementalDetokenizer
+from travelator.engine.executor import Executor
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
-from travelator.distributed.executor import TensorParallelError, make_runner
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
-from travelator.engine.scheduler import (
-    IterationScheduler,
-    PriorityScheduler,
-    SampledToken,
-    SchedulerBase,
-)
-from travelator.engine.static_scheduler import StaticScheduler
+from travelator.engine.scheduler import SchedulerBase
+from travelator.engine.scheduler_factory import make_scheduler
+from travelator.engine.scheduler_output import SampledToken
+from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.model.device import pick_device, resolve_dtype
 from travelator.model.loader import open_model
 from travelator.sampling_params import SamplingParams
@@ -61,7 +59,7 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, device: str = "auto") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
         mc = config.model
@@ -69,14 +67,14 @@ class LLMEngine:
         self.model_name = source.name
         self.arch = source.arch
         self.tokenizer = source.tokenizer
-        self.device = pick_device(device)
+        self.device = pick_device(mc.device)
         dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device)
         kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else resolve_dtype(
             config.cache.kv_cache_dtype, None, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
-        # One rank: a ModelRunner. Tensor parallel: the driver of the group (same interface).
-        self.runner = make_runner(
+        # One rank: a ModelRunner. Tensor parallel: the driver of the group.
+        self.runner: Executor = make_executor(
             config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
             device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
             eos_token_ids=self.eos_token_ids,
@@ -91,13 +89,7 @@ class LLMEngine:
             # Keys change with anything that changes the KV: model, weights, dtypes.
             namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}",
         )
-        if config.scheduler.policy == "static":
-            scheduler_cls = StaticScheduler
-        elif config.scheduler.order == "priority":
-            scheduler_cls = PriorityScheduler
-        else:
-            scheduler_cls = IterationScheduler
-        self.scheduler: SchedulerBase = scheduler_cls(config.scheduler, self.kv)
+        self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
@@ -111,9 +103,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()
 
     # ---- set-up --------------------------------------------------------------------
     def _context_limit(self) -> int:
@@ -133,8 +123,8 @@ class LLMEngine:
     def _size_kv_pool(self, block_size: int) -> int:
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block(block_size)
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
+        if cache.num_kv_blocks is not None:
+            num_blocks = cache.num_kv_blocks
         elif cache.kv_cache_bytes is not None:
             num_blocks = cache.kv_cache_bytes // per_block
         else:
@@ -169,36 +159,37 @@ class LLMEngine:
     ) -> Request:
         """Validate and tokenise; changes no engine state, so any thread may call it.
 
-        Raises ValueError with a clear message on bad input.
+        Raises InvalidRequestError (a ValueError) naming the field at fault on bad input.
+        ``cache_salt`` keeps the request's prefix-cache blocks apart from requests with
+        another salt (or none).
         """
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise InvalidRequestError("the prompt is empty", "prompt")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.arch.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {n} tokens, but the context is {self.max_model_len} tokens "
-                f"and at least one must be left for the output"
-            )
+                f"and at least one must be left for the output", "prompt")
         room = self.max_model_len - n
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
-                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens"
-            )
+                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens",
+                "max_tokens")
         return Request(
             request_id=request_id or self.make_request_id(),
             prompt_token_ids=token_ids,
@@ -227,9 +218,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError with a clear message on bad input."""
-        req = self.make_request(prompt, params, request_id, priority)
+        """Validate and queue a request (``make_request``, then ``enqueue``)."""
+        req = self.make_request(prompt, params, request_id, priority, cache_salt)
         self.enqueue(req)
         return req
 
@@ -252,8 +244,7 @@ class LLMEngine:
     @property
     def phase_times(self) -> dict[str, float]:
         """Seconds per phase of the step, summed since start: where a step's time goes."""
-        runner = getattr(self.runner, "runner", self.runner)  # tensor parallel: the driver's
-        return {**self._phase_times, **runner.phase_times}
+        return {**self._phase_times, **self.runner.phase_times}
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -263,7 +254,7 @@ class LLMEngine:
             self.runner.execute(out)  # still apply freed ids
             return []
         try:
-            sampled = self.runner.execute(out)
+            result = self.runner.execute(out)
         except TensorParallelError:
             raise  # a worker is gone: the engine cannot go on
         except Exception as exc:  # a failed step must not take the other requests down
@@ -274,7 +265,7 @@ class LLMEngine:
                          len(out.num_scheduled_tokens), traceback.format_exc())
             return self._fail_step(list(out.num_scheduled_tokens), exc)
         t_update = time.perf_counter()
-        updated = self.scheduler.update_from_output(out, sampled)
+        updated = self.scheduler.update_from_output(out, result)
         outputs = [self._token_output(req, tok) for req, tok in updated]
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, time.perf_counter() - t0)

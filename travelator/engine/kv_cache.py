@@ -26,14 +26,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class BlockAccountingError(RuntimeError):
+    """The pool's bookkeeping is broken: a block is lost, in two places, or miscounted."""
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of those, found in the cache
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class KVCacheManager:
@@ -51,6 +51,9 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
+        # Blocks some request holds, counted as references come and go (not derived from the
+        # free list), so that "free + used = total" is a check that can fail.
+        self._num_used = 0
         self._num_keyed: dict[str, int] = {}  # leading blocks of a request already keyed
         self.stats = PrefixCacheStats()
 
@@ -61,7 +64,7 @@ class KVCacheManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._num_used
 
     @property
     def num_cached_blocks(self) -> int:
@@ -70,10 +73,6 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
 
     def block_ids(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -155,6 +154,7 @@ class KVCacheManager:
         for b in cached_blocks:
             if self._ref_cnt[b] == 0:
                 del self._free[b]
+                self._num_used += 1
             self._ref_cnt[b] += 1
             table.append(b)
         if cached_blocks:
@@ -171,6 +171,7 @@ class KVCacheManager:
                 del self._cached[key]
             self._block_key[block] = None
         self._ref_cnt[block] = 1
+        self._num_used += 1
         return block
 
     def free(self, request_id: str) -> None:
@@ -182,6 +183,7 @@ class KVCacheManager:
         for block in reversed(table):
             self._ref_cnt[block] -= 1
             if self._ref_cnt[block] == 0:
+                self._num_used -= 1
                 self._free[block] = None
                 if self._block_key[block] is None:
                     # Nothing reusable in it: hand it out before any cached block.
@@ -192,15 +194,31 @@ class KVCacheManager:
         self.stats.hit_tokens += num_hit_tokens
 
     def check_consistency(self) -> None:
-        """Free + used = total, and every reference is accounted for."""
+        """Every block is in exactly one place (some block table, or the free list), the
+        used-block count agrees with the tables, and every reference is accounted for.
+
+        Raises BlockAccountingError (a real exception: it holds under ``python -O``).
+        """
         counts = [0] * self.num_blocks
-        for table in self._tables.values():
+        for rid, table in self._tables.items():
+            if len(set(table)) != len(table):
+                raise BlockAccountingError(f"request {rid!r} holds a block twice: {table}")
             for b in table:
                 counts[b] += 1
-        assert counts == self._ref_cnt, "reference counts disagree with the block tables"
+        if counts != self._ref_cnt:
+            wrong = [b for b in range(self.num_blocks) if counts[b] != self._ref_cnt[b]]
+            raise BlockAccountingError(f"reference counts disagree with the block tables for "
+                                       f"blocks {wrong[:10]}")
+        used = {b for b in range(self.num_blocks) if counts[b]}
         free = set(self._free)
-        assert all((self._ref_cnt[b] == 0) == (b in free) for b in range(self.num_blocks)), \
-            "a block is both free and used, or neither"
-        assert len(free) + sum(1 for c in counts if c) == self.num_blocks, "blocks leaked"
+        if used & free:
+            raise BlockAccountingError(f"blocks both free and in a block table: {sorted(used & free)[:10]}")
+        lost = set(range(self.num_blocks)) - used - free
+        if lost:
+            raise BlockAccountingError(f"blocks in no block table and not free: {sorted(lost)[:10]}")
+        if self._num_used != len(used):
+            raise BlockAccountingError(f"{self._num_used} blocks counted as used, but the block "
+                                       f"tables hold {len(used)}")
         for key, b in self._cached.items():
-            assert self._block_key[b] == key, "a cache entry points at a block with another key"
+            if self._block_key[b] != key:
+                raise BlockAccountingError(f"the cache entry of block {b} has another key")

@@ -17,8 +17,7 @@ import torch
 
 from travelator import kernels
 from travelator.distributed.comm import TPGroup
-from travelator.engine.scheduler import SampledToken
-from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionBackend, AttentionMetadata
 from travelator.model.llama import LlamaModel
@@ -101,11 +100,17 @@ class ModelRunner:
         self.block_size = block_size
 
     # ---- one step ------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def held_request_ids(self) -> set[str]:
+        return set(self.states)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: a single runner lives in the engine's process."""
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         self._apply_changes(out)
         if out.is_empty:
-            return {}
+            return RunnerOutput()
         inputs = self._prepare(out)
         t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -115,7 +120,7 @@ class ModelRunner:
         self.phase_times["prepare"] += t1 - t0
         self.phase_times["forward"] += t2 - t1
         if not inputs.sampled_ids:
-            return {}
+            return RunnerOutput()
         states = [self.states[rid] for rid in inputs.sampled_ids]
         batch = SamplingBatch(
             params=[s.sampling_params for s in states],
@@ -135,7 +140,7 @@ class ModelRunner:
                 result.top_logprobs[row] if result.top_logprobs is not None else None,
             )
         self.phase_times["sample"] += time.perf_counter() - t2
-        return sampled
+        return RunnerOutput(sampled)
 
     def _apply_changes(self, out: SchedulerOutput) -> None:
         for rid in out.freed_request_ids:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
@@ -17,19 +16,14 @@ from travelator.engine.request import Request, RequestStatus
 from travelator.engine.scheduler_output import (
     CachedRequestData,
     NewRequestData,
+    RunnerOutput,
+    SampledToken,
     SchedulerOutput,
 )
 
 
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-
-
 class SchedulerBase:
-    """What every scheduling policy shares: queues, the step update, preemption, abort."""
+    """What every scheduler shares: queues, the step update, preemption, abort."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -49,10 +43,6 @@ class SchedulerBase:
         request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -175,6 +165,11 @@ class SchedulerBase:
     def _least_important(self, candidates: list[Request]) -> Request:
         return candidates[-1]  # the most recently admitted
 
+    @property
+    def pending_freed_ids(self) -> list[str]:
+        """Requests freed since the last step, which the runner has yet to be told to forget."""
+        return list(self._freed)
+
     def return_freed(self, request_ids: list[str]) -> None:
         """A step failed before the runner saw them: announce these ids again next step."""
         self._freed.extend(request_ids)
@@ -219,8 +214,8 @@ class SchedulerBase:
             req.times.first_scheduled = time.monotonic()
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
-    ) -> list[tuple[Request, SampledToken | None]]:
+        self, out: SchedulerOutput, result: RunnerOutput
+    ) -> list[tuple[Request, SampledToken]]:
         """Advance every scheduled request; append sampled tokens; finish those that stop.
 
         Returns each scheduled request that got a new token, with that token.
@@ -233,7 +228,7 @@ class SchedulerBase:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
-            tok = sampled.get(rid)
+            tok = result.sampled.get(rid)
             if tok is None:
                 continue  # a prompt chunk that does not reach the end of the prompt
             req.resumed_without_progress = False

@@ -1,4 +1,5 @@
-"""The contract between the scheduler and the model runner: what to compute in one step.
+"""The contract between the scheduler and the model runner: what to compute in one step
+(``SchedulerOutput``) and what the step produced (``RunnerOutput``).
 
 Requests the runner has not seen (or that were preempted and dropped) come in full;
 requests it already holds come as small changes, so a step description stays small
@@ -48,3 +49,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one step of the model returns to the scheduler."""
+
+    # Request id -> its new token, for every request whose scheduled tokens reached the end of
+    # its known tokens; a prompt chunk that stops short of the end samples nothing.
+    sampled: dict[str, SampledToken] = field(default_factory=dict)

@@ -4,7 +4,7 @@ A batch of up to ``max_num_seqs`` waiting requests is admitted only when the
 previous batch has completely finished; nobody joins in between, so the seats of
 requests that finish early stay empty until the longest one is done. Same
 interface, same model runner and kernels as the iteration-level scheduler: in a
-comparison the scheduling policy is the only variable.
+comparison the batching is the only variable.
 """
 
 from __future__ import annotations

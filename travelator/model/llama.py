@@ -30,7 +30,9 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class DecoderLayer(nn.Module):
+class Attention(nn.Module):
+    """Fused QKV projection, rope, paged attention over the KV cache, output projection."""
+
     def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
         size = tp.size if tp is not None else 1
@@ -39,19 +41,14 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads // size, arch.num_kv_heads // size, d
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
-        inter = arch.intermediate_size // size
-        self.input_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if arch.attention_bias else None
         self.o_weight = _param(h, self.q_size, dtype=dtype)
-        self.post_attn_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
-        self.gate_up_weight = _param(2 * inter, h, dtype=dtype)
-        self.down_weight = _param(h, inter, dtype=dtype)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
     def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
         t = x.shape[0]
-        qkv = F.linear(self.input_norm(x), self.qkv_weight, self.qkv_bias)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -61,12 +58,40 @@ class DecoderLayer(nn.Module):
         o = F.linear(attn.reshape(t, self.q_size), self.o_weight)
         if self.tp is not None:
             self.tp.all_reduce(o)
-        x = x + o
-        mlp = F.linear(silu_and_mul(F.linear(self.post_attn_norm(x), self.gate_up_weight)),
-                       self.down_weight)
+        return o
+
+
+class MLP(nn.Module):
+    """SwiGLU: fused gate/up projection, SiLU(gate) * up, down projection."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        size = tp.size if tp is not None else 1
+        self.tp = tp
+        inter = arch.intermediate_size // size
+        self.gate_up_weight = _param(2 * inter, arch.hidden_size, dtype=dtype)
+        self.down_weight = _param(arch.hidden_size, inter, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
         if self.tp is not None:
-            self.tp.all_reduce(mlp)
-        return x + mlp
+            self.tp.all_reduce(out)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = Attention(arch, dtype, tp)
+        self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype, tp)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_norm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
 
 
 class LlamaModel(nn.Module):
@@ -133,55 +158,17 @@ class LlamaModel(nn.Module):
         Every parameter must be written exactly once; a missing or unexpected
         tensor is an error, so a truncated or foreign checkpoint never runs.
         """
-        # HF name within a layer -> (our field, index of the fused part)
-        fused = {
-            "self_attn.q_proj.weight": ("qkv_weight", 0),
-            "self_attn.k_proj.weight": ("qkv_weight", 1),
-            "self_attn.v_proj.weight": ("qkv_weight", 2),
-            "self_attn.q_proj.bias": ("qkv_bias", 0),
-            "self_attn.k_proj.bias": ("qkv_bias", 1),
-            "self_attn.v_proj.bias": ("qkv_bias", 2),
-            "mlp.gate_proj.weight": ("gate_up_weight", 0),
-            "mlp.up_proj.weight": ("gate_up_weight", 1),
-        }
-        plain = {
-            "self_attn.o_proj.weight": "o_weight",
-            "mlp.down_proj.weight": "down_weight",
-            "input_layernorm.weight": "input_norm.weight",
-            "post_attention_layernorm.weight": "post_attn_norm.weight",
-        }
         rank, size = self.tp_rank, self.tp_size
         params = dict(self.named_parameters())
         expected = set(params)
         written: set[str] = set()
         parts_written: dict[str, int] = {}
         for name, tensor in weights:
-            if name.startswith("model."):
-                name = name[len("model."):]
-            part = None
-            if name == "embed_tokens.weight":
-                target = "embed"
-            elif name == "norm.weight":
-                target = "norm.weight"
-            elif name == "lm_head.weight":
-                if self.lm_head is None:
-                    continue  # tied: some checkpoints store the copy anyway
-                target = "lm_head"
-            elif name.startswith("layers."):
-                _, idx, rest = name.split(".", 2)
-                if rest in fused:
-                    field, part = fused[rest]
-                    target = f"layers.{idx}.{field}"
-                elif rest in plain:
-                    target = f"layers.{idx}.{plain[rest]}"
-                elif rest.endswith("rotary_emb.inv_freq"):
-                    continue
-                else:
-                    raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            elif name.endswith("rotary_emb.inv_freq"):
+            name = name.removeprefix("model.")
+            mapped = self._checkpoint_target(name)
+            if mapped is None:
                 continue
-            else:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            target, part = mapped
             if target not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
             shard = self.shards[target]
@@ -203,6 +190,22 @@ class LlamaModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
 
+    def _checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        """(our parameter, index of the fused part) of an HF tensor name, or None for a tensor
+        that is not loaded. ValueError for a name this model does not have."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: some checkpoints store the copy anyway
+        if name in _MODEL_TENSORS:
+            return _MODEL_TENSORS[name], None
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            if rest in _LAYER_TENSORS:
+                field, part = _LAYER_TENSORS[rest]
+                return f"layers.{idx}.{field}", part
+        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights with a realistic scale, for benchmarks without a download.
 
@@ -218,6 +221,29 @@ class LlamaModel(nn.Module):
                 p.data.copy_(self.shards[name].shard(full, self.tp_rank, self.tp_size))
 
 
+# HF checkpoint names (without "model.") -> our parameters. Within a layer, q/k/v and gate/up
+# are fused: the second element is the index of the part a tensor fills.
+_MODEL_TENSORS = {
+    "embed_tokens.weight": "embed",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head",
+}
+_LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
+    "input_layernorm.weight": ("input_norm.weight", None),
+    "self_attn.q_proj.weight": ("self_attn.qkv_weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
+    "self_attn.o_proj.weight": ("self_attn.o_weight", None),
+    "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_weight", 1),
+    "mlp.down_proj.weight": ("mlp.down_weight", None),
+}
+
+
 def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
     """Every parameter's full (one-rank) shape and how it is split over ranks."""
     h, v = arch.hidden_size, arch.vocab_size
@@ -231,20 +257,20 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
         p = f"layers.{i}."
         shards |= {
             p + "input_norm.weight": replicated,
-            p + "qkv_weight": Shard(0, (q, kv, kv)),  # column-parallel: own heads
-            p + "qkv_bias": Shard(0, (q, kv, kv)),
-            p + "o_weight": Shard(1, (q,)),  # row-parallel, then all-reduce
+            p + "self_attn.qkv_weight": Shard(0, (q, kv, kv)),  # column-parallel: own heads
+            p + "self_attn.qkv_bias": Shard(0, (q, kv, kv)),
+            p + "self_attn.o_weight": Shard(1, (q,)),  # row-parallel, then all-reduce
             p + "post_attn_norm.weight": replicated,
-            p + "gate_up_weight": Shard(0, (inter, inter)),
-            p + "down_weight": Shard(1, (inter,)),
+            p + "mlp.gate_up_weight": Shard(0, (inter, inter)),
+            p + "mlp.down_weight": Shard(1, (inter,)),
         }
         shapes |= {
             p + "input_norm.weight": (h,),
-            p + "qkv_weight": (q + 2 * kv, h),
-            p + "qkv_bias": (q + 2 * kv,),
-            p + "o_weight": (h, q),
+            p + "self_attn.qkv_weight": (q + 2 * kv, h),
+            p + "self_attn.qkv_bias": (q + 2 * kv,),
+            p + "self_attn.o_weight": (h, q),
             p + "post_attn_norm.weight": (h,),
-            p + "gate_up_weight": (2 * inter, h),
-            p + "down_weight": (h, inter),
+            p + "mlp.gate_up_weight": (2 * inter, h),
+            p + "mlp.down_weight": (h, inter),
         }
     return shards, shapes

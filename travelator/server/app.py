@@ -36,6 +36,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
 from travelator.engine.async_engine import AsyncEngine
+from travelator.server.chat import create_chat_completion
+from travelator.server.completions import create_completion
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from travelator.server.protocol import (
@@ -156,7 +158,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.state.settings = settings
     install_error_handlers(app)
     _install_openapi(app)
+    require_api_key = _api_key_check(settings)
+    app.include_router(_v1_routes(serving, require_api_key))
+    _add_operator_routes(app, serving, require_api_key)
+    return app
 
+
+def _api_key_check(settings: ServerSettings):
+    """A dependency that demands ``Authorization: Bearer <key>`` when the server has a key."""
     async def require_api_key(request: Request) -> None:
         if settings.api_key is None:
             return
@@ -166,30 +175,42 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
+    return require_api_key
+
+
+def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
+    """The OpenAI API: completions, chat completions, models."""
+    engine = serving.engine
+    limit = serving.settings.max_body_bytes
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
     @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
-        req = await read_body(request, CompletionRequest, settings.max_body_bytes)
-        return await serving.completions(req, request)
+        req = await read_body(request, CompletionRequest, limit)
+        return await create_completion(serving, req, request)
 
     @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
-        req = await read_body(request, ChatCompletionRequest, settings.max_body_bytes)
-        return await serving.chat(req, request)
+        req = await read_body(request, ChatCompletionRequest, limit)
+        return await create_chat_completion(serving, req, request)
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
 
     @v1.get("/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[card(n) for n in names])
+        return ModelList(data=[card(n) for n in serving.served_model_names])
 
     @v1.get("/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
         return card(serving.resolve_model(model))
 
-    app.include_router(v1)
+    return v1
+
+
+def _add_operator_routes(app: FastAPI, serving: OpenAIServing, require_api_key) -> None:
+    """/health, /metrics and, when enabled, /debug/engine."""
+    async_engine, settings = serving.async_engine, serving.settings
 
     @app.get("/health")
     async def health() -> Response:
@@ -216,6 +237,4 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)

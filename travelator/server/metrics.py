@@ -56,12 +56,11 @@ class _EngineCounters:
         yield counter("num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
                       c.preemptions)
         yield counter("engine_steps", "Engine steps run.", c.steps)
-        stats = getattr(self.engine.kv, "stats", None)  # prefix cache lookups, when the pool has them
-        if stats is not None and hasattr(stats, "hit_tokens"):
-            yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                          stats.queried_tokens)
-            yield counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
-                          stats.hit_tokens)
+        stats = self.engine.kv.stats
+        yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                      stats.queried_tokens)
+        yield counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
+                      stats.hit_tokens)
         fam = CounterMetricFamily(f"{_PREFIX}_request_success", "Requests finished, by finish reason.",
                                   labels=["model_name", "finished_reason"])
         finished = dict(c.finished)  # one C-level copy: the step thread may add a key meanwhile
@@ -92,15 +91,14 @@ class ServerMetrics:
         gauge("kv_cache_usage", "Share of the KV cache blocks in use (0 to 1).", lambda: engine.kv.usage)
         gauge("kv_cache_used_blocks", "KV cache blocks in use.", lambda: engine.kv.num_used_blocks)
         gauge("kv_cache_total_blocks", "KV cache blocks in the pool.", lambda: engine.kv.num_blocks)
-        gauge("kv_cache_free_blocks", "KV cache blocks free (free + used = total).",
+        gauge("kv_cache_free_blocks", "KV cache blocks free (counted apart from the used ones).",
               lambda: engine.kv.num_free_blocks)
         gauge("engine_healthy", "1 while the step loop runs, 0 once it has died.",
               lambda: 1.0 if async_engine.healthy else 0.0)
         gauge("engine_step_running_seconds", "How long the step now running has run (0 between steps).",
               async_engine.step_running_for)
-        if hasattr(engine.kv, "num_cached_blocks"):
-            gauge("kv_cache_cached_blocks", "KV blocks holding a reusable prefix (in use or free).",
-                  lambda: engine.kv.num_cached_blocks)
+        gauge("kv_cache_cached_blocks", "KV blocks holding a reusable prefix (in use or free).",
+              lambda: engine.kv.num_cached_blocks)
         reg.register(_EngineCounters(engine, name))
 
         self._batch_size = Histogram(f"{_PREFIX}_batch_size", "Requests scheduled per step.", lbl,

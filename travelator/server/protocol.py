@@ -76,6 +76,8 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Keeps this request's prefix-cache blocks apart from requests without the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 TokenIds = list[StrictInt]

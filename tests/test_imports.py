@@ -1,0 +1,42 @@
+"""The torch-free parts stay torch-free: importing them loads neither torch nor tqdm.
+
+Each check runs in a fresh interpreter, since this one has long since imported torch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+TORCH_FREE = [
+    "travelator.engine.scheduler",
+    "travelator.engine.static_scheduler",
+    "travelator.engine.kv_cache",
+    "travelator.engine.scheduler_factory",
+    "travelator.engine_args",
+]
+
+
+def loaded_after_import(module: str) -> set[str]:
+    code = (f"import sys, {module}; "
+            "print(' '.join(m for m in ('torch', 'tqdm', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_importing_leaves_torch_out(module):
+    assert loaded_after_import(module) == set()
+
+
+def test_the_package_exports_still_load_on_use():
+    code = "import travelator; print(travelator.LLM.__name__, travelator.SamplingParams.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["LLM", "SamplingParams"]
+
+
+def test_the_check_can_fail():
+    """The probe does see torch when a module loads it."""
+    assert "torch" in loaded_after_import("travelator.llm")

@@ -1,0 +1,77 @@
+"""What a soak run is given (``SoakConfig``) and what it found (``SoakResult``)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SoakConfig:
+    url: str | None = None  # None: start a server here
+    model: str | None = None  # for the server started here (default: travelator's built-in)
+    requests: int = 300  # most requests sent (bursts and invalid ones included)
+    duration_s: float | None = None  # stop sending after this long
+    time_limit_s: float | None = None  # hard limit of the whole run (default from the above)
+    concurrency: int = 8  # regular clients at once (bursts come on top)
+    seed: int = 0
+    disconnect_rate: float = 0.3  # share of clients that try to leave (some finish first)
+    burst_every: int = 100  # regular requests between two bursts (0: no bursts)
+    burst_size: int | None = None  # default: max_waiting + max_num_seqs + 8 (more than fit)
+    invalid_rate: float = 0.03
+    long_rate: float = 0.2
+    request_timeout_s: float = 120.0  # a request not answered in this long counts as hung
+    quiesce_timeout_s: float = 30.0
+    api_key: str | None = None
+    require_chaos: bool | None = None  # demand preemptions, 503s and disconnects (default: own server)
+    # The server started here.
+    num_kv_blocks: int = 24
+    block_size: int = 16
+    max_model_len: int = 256
+    max_num_seqs: int = 8
+    max_waiting: int = 32
+    server_threads: int = 1
+    server_log: str | None = None  # where its log goes (default: a temporary file)
+    verbose: bool = False
+
+    @property
+    def effective_burst_size(self) -> int:
+        return self.burst_size if self.burst_size is not None else self.max_waiting + self.max_num_seqs + 8
+
+
+@dataclass
+class SoakResult:
+    sent: int = 0
+    completed: int = 0
+    disconnected: int = 0
+    rejected_503: int = 0
+    invalid_4xx: int = 0
+    server_errors_5xx: int = 0
+    preemptions: int | None = None
+    leaked_blocks: int | None = None
+    latencies: list[float] = field(default_factory=list)
+    duration_s: float = 0.0
+    self_checks: int = 0  # self-checks passed while the load ran
+    failures: list[str] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def p(self, q: float) -> float | None:
+        if not self.latencies:
+            return None
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+    def line(self) -> str:
+        def fmt(x, digits=3):
+            return "n/a" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
+        return (f"soak: sent={self.sent} completed={self.completed} disconnected={self.disconnected} "
+                f"rejected_503={self.rejected_503} invalid_4xx={self.invalid_4xx} "
+                f"preemptions={fmt(self.preemptions)} leaked_blocks={fmt(self.leaked_blocks)} "
+                f"5xx={self.server_errors_5xx} p50_latency_s={fmt(self.p(0.5))} "
+                f"p99_latency_s={fmt(self.p(0.99))} self_checks={self.self_checks} duration_s={self.duration_s:.1f} "
+                f"result={'PASS' if self.ok else f'FAIL({len(self.failures)})'}")

@@ -1,0 +1,251 @@
+"""The soak run: start a server (or take a URL), calibrate the workload to it, send the load with
+self-checks running alongside, then check the server at rest and stop it.
+
+By default the server is started here on a free port of 127.0.0.1 (one torch thread, a KV pool
+small enough to force preemption, a short waiting queue, the debug endpoint on). With a URL it
+drives a running server instead (started with ``TRAVELATOR_DEBUG_ENDPOINTS=1`` for the full
+checks; without it only /metrics is read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+
+from travelator.bench.soak.checks import VALID_FINISH, Outcome, at_rest_problems, chaos_problems
+from travelator.bench.soak.config import SoakConfig, SoakResult
+from travelator.bench.soak.send import send
+from travelator.bench.soak.workload import CHAT_MESSAGES, LONG_PROMPTS, SHORT_PROMPTS, Workload
+from travelator.server.process import ServerProcess, free_port, serve_command
+
+
+def own_server(cfg: SoakConfig) -> ServerProcess:
+    """``travelator serve`` as the soak wants it: small, under pressure, with the debug endpoint."""
+    args = ["--dtype", "float32", "--num-kv-blocks", str(cfg.num_kv_blocks),
+            "--block-size", str(cfg.block_size), "--max-model-len", str(cfg.max_model_len),
+            "--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
+            "--shutdown-grace", "2"]
+    if cfg.model:
+        args += ["--model", cfg.model]
+    if cfg.api_key:
+        args += ["--api-key", cfg.api_key]
+    threads = str(cfg.server_threads)
+    env = {"TRAVELATOR_DEBUG_ENDPOINTS": "1", "OMP_NUM_THREADS": threads,
+           "MKL_NUM_THREADS": threads, "TRAVELATOR_STEP_TIMEOUT_S": "60"}
+    port = free_port()
+    return ServerProcess(serve_command(args, port), port, env=env, log_path=cfg.server_log)
+
+
+def run_soak(cfg: SoakConfig) -> SoakResult:
+    """Run the soak; never raises for a failed check (see ``SoakResult.failures``)."""
+    result = SoakResult()
+    server = None if cfg.url else own_server(cfg)
+    limit = cfg.time_limit_s
+    if limit is None:
+        limit = (cfg.duration_s if cfg.duration_s is not None else max(60.0, cfg.requests * 0.5)) + 180.0
+    try:
+        if server is not None:
+            server.start()
+        url = cfg.url or server.base_url
+        try:
+            asyncio.run(asyncio.wait_for(_drive(cfg, url, result, own=server is not None), limit))
+        except asyncio.TimeoutError:
+            result.failures.append(f"the run did not finish within its time limit of {limit:.0f} s")
+        except (httpx.HTTPError, OSError, RuntimeError, KeyError, ValueError) as exc:
+            result.failures.append(f"the run broke off: {exc!r}")
+        if server is not None:
+            code = server.stop()
+            if code != 0:
+                result.failures.append(f"the server exited with {code} on SIGTERM (expected 0)")
+    except RuntimeError as exc:  # the server did not start
+        result.failures.append(str(exc))
+    finally:
+        if server is not None:
+            server.kill()
+            if result.failures:
+                print(f"soak: server log ({server.log_path}), last lines:\n{server.log_tail()}",
+                      file=sys.stderr)
+            server.close()
+    return result
+
+
+# ---------------------------------------------------------------------------- the phases
+
+
+async def _drive(cfg: SoakConfig, url: str, result: SoakResult, own: bool) -> None:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    burst = cfg.effective_burst_size if cfg.burst_every else 0
+    limits = httpx.Limits(max_connections=cfg.concurrency + burst + 8,
+                          max_keepalive_connections=cfg.concurrency + 8)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as client:
+        r = await client.get("/health")
+        if r.status_code != 200:
+            result.failures.append(f"/health is {r.status_code} before the run: {r.text[:200]}")
+            return
+        debug = (await client.get("/debug/engine")).status_code == 200
+        if not debug:
+            print("soak: /debug/engine is off on this server; checking through /metrics only",
+                  file=sys.stderr)
+        workload = Workload(cfg, *await _calibrate(client))
+        before = (await client.get("/metrics")).text
+        watcher = asyncio.ensure_future(_monitor(client, result)) if debug else None
+        t0 = time.monotonic()
+        await _send_load(client, cfg, workload, burst, result)
+        result.duration_s = time.monotonic() - t0
+        if watcher is not None:
+            watcher.cancel()
+        await _check_at_rest(client, cfg, result, before, debug)
+    result.failures += chaos_problems(cfg, result, own)
+
+
+async def _calibrate(client: httpx.AsyncClient) -> tuple[dict[str, int], list[int | None], int]:
+    """Token counts of the fixed prompts (from usage) and the served context length."""
+    models = (await client.get("/v1/models")).json()["data"]
+    max_model_len = int(models[0].get("max_model_len") or 2048)
+    counts: dict[str, int] = {}
+    for text in SHORT_PROMPTS + LONG_PROMPTS:
+        r = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0})
+        if r.status_code == 400:  # longer than this server's context: not used
+            continue
+        r.raise_for_status()
+        counts[text] = r.json()["usage"]["prompt_tokens"]
+    chat: list[int | None] = []
+    for messages in CHAT_MESSAGES:
+        r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        if r.status_code == 400:
+            chat.append(None)
+            continue
+        r.raise_for_status()
+        chat.append(r.json()["usage"]["prompt_tokens"])
+    if not any(t in counts for t in SHORT_PROMPTS) or chat[0] is None:
+        raise RuntimeError(f"the server's context ({max_model_len} tokens) is too short for the workload")
+    return counts, chat, max_model_len
+
+
+async def _monitor(client: httpx.AsyncClient, result: SoakResult) -> None:
+    """Self-checks while the load runs: the accounting must hold between any two steps."""
+    while True:
+        await asyncio.sleep(1.0)
+        try:
+            report = (await client.get("/debug/engine")).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            result.failures.append(f"a self-check during the run failed: {exc!r}")
+            return
+        result.self_checks += 1
+        if not report.get("ok", True):
+            result.failures.append(f"self-check during the run: {report['problems']}")
+            return
+
+
+async def _send_load(client: httpx.AsyncClient, cfg: SoakConfig, workload: Workload, burst: int,
+                     result: SoakResult) -> None:
+    """Regular clients, ``cfg.concurrency`` at a time, and every ``cfg.burst_every`` of them a
+    burst of ``burst`` requests at once; until ``cfg.requests`` or ``cfg.duration_s``."""
+    t0 = time.monotonic()
+    sem = asyncio.Semaphore(cfg.concurrency)
+    tasks: set[asyncio.Task] = set()
+
+    async def regular(index: int) -> None:
+        try:
+            if await send(client, workload.make(index), cfg, result) == Outcome.REJECTED:
+                await asyncio.sleep(0.25)  # a polite client backs off (the 503 says Retry-After)
+        finally:
+            sem.release()
+
+    index = since_burst = 0
+    while index < cfg.requests:
+        if cfg.duration_s is not None and time.monotonic() - t0 > cfg.duration_s:
+            break
+        if burst and since_burst >= cfg.burst_every:
+            since_burst = 0
+            for _ in range(min(burst, cfg.requests - index)):
+                tasks.add(asyncio.ensure_future(send(client, workload.make(index, burst=True), cfg, result)))
+                index += 1
+            result.sent = index
+            continue
+        await sem.acquire()
+        tasks.add(asyncio.ensure_future(regular(index)))
+        tasks = {t for t in tasks if not t.done()}
+        index += 1
+        since_burst += 1
+        result.sent = index
+        if cfg.verbose and index % 100 == 0:
+            print(f"soak: {index} sent, {result.completed} completed, {len(result.failures)} failures "
+                  f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    if tasks:
+        await asyncio.gather(*tasks)
+
+
+def _metric(text: str, name: str, label: str | None = None) -> float | None:
+    total = None
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")):
+            if label is not None and label not in line:
+                continue
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _wait_idle(client: httpx.AsyncClient, timeout: float, debug: bool) -> dict | None:
+    """The last self-check (or None without the debug endpoint) once the server is idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if debug:
+            report = (await client.get("/debug/engine")).json()
+            if report.get("idle"):
+                return report
+        else:
+            text = (await client.get("/metrics")).text
+            busy = sum(_metric(text, n) or 0 for n in ("travelator_num_requests_in_flight",
+                                                        "travelator_num_requests_running",
+                                                        "travelator_num_requests_waiting"))
+            if busy == 0:
+                return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server is not idle {timeout} s after the last request"
+                               + (f": {json.dumps(report)[:1500]}" if debug else ""))
+        await asyncio.sleep(0.2)
+
+
+async def _check_at_rest(client: httpx.AsyncClient, cfg: SoakConfig, result: SoakResult,
+                         metrics_before: str, debug: bool) -> None:
+    """Once idle: the engine's own accounting, the metrics, /health, and one more request."""
+    try:
+        report = await _wait_idle(client, cfg.quiesce_timeout_s, debug)
+    except TimeoutError as exc:
+        result.failures.append(str(exc))
+        report = None
+    after = (await client.get("/metrics")).text
+    if report is not None:
+        result.leaked_blocks = report["kv"]["used_blocks"]
+        result.failures += at_rest_problems(report)
+    elif not debug:
+        used = _metric(after, "travelator_kv_cache_used_blocks")
+        result.leaked_blocks = None if used is None else int(used)
+        if used:
+            result.failures.append(f"{used:.0f} KV blocks still in use at rest")
+    p0 = _metric(metrics_before, "travelator_num_preemptions_total") or 0
+    p1 = _metric(after, "travelator_num_preemptions_total") or 0
+    result.preemptions = int(p1 - p0)
+    error = 'finished_reason="error"'
+    errors = ((_metric(after, "travelator_request_success_total", error) or 0)
+              - (_metric(metrics_before, "travelator_request_success_total", error) or 0))
+    if errors:
+        result.failures.append(f"{errors:.0f} requests finished with an engine error")
+    r = await client.get("/health")
+    if r.status_code != 200:
+        result.failures.append(f"/health is {r.status_code} after the run: {r.text[:200]}")
+    r = await client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                                   "temperature": 0})
+    if r.status_code != 200 or r.json()["choices"][0]["finish_reason"] not in VALID_FINISH:
+        result.failures.append(f"a last request after the run got {r.status_code}: {r.text[:200]}")
+    if report is not None and debug:
+        final = (await client.get("/debug/engine")).json()
+        if not final["ok"] or final["kv"]["used_blocks"]:
+            result.failures.append(f"after the last request: {final['problems']}, "
+                                   f"{final['kv']['used_blocks']} blocks used")

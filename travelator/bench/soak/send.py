@@ -1,0 +1,85 @@
+"""One soak request: send it, cut it short as its spec says, judge the answer, count it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import httpx
+
+from travelator.bench.soak.checks import Outcome, judge_error, validate_json, validate_stream
+from travelator.bench.soak.config import SoakConfig, SoakResult
+from travelator.bench.soak.workload import Spec
+
+
+async def send(client: httpx.AsyncClient, spec: Spec, cfg: SoakConfig, result: SoakResult) -> str:
+    t0 = time.monotonic()
+    outcome, problem, status = await _send_inner(client, spec, cfg)
+    elapsed = time.monotonic() - t0
+    result.statuses[status] += 1
+    if isinstance(status, int) and status >= 500 and status != 503:
+        result.server_errors_5xx += 1
+    if outcome == Outcome.COMPLETED:
+        result.completed += 1
+        result.latencies.append(elapsed)
+    elif outcome == Outcome.DISCONNECTED:
+        result.disconnected += 1
+    elif outcome == Outcome.REJECTED:
+        result.rejected_503 += 1
+    elif outcome == Outcome.INVALID:
+        result.invalid_4xx += 1
+    else:
+        body = json.dumps(spec.body)[:300]
+        result.failures.append(f"request {spec.index} {spec.path} {body}: status {status}: {problem}")
+    return outcome
+
+
+async def _send_inner(client: httpx.AsyncClient, spec: Spec, cfg: SoakConfig):
+    """(outcome, problem, status) for one request, cutting it short as the spec says."""
+    if spec.disconnect in ("early", "wait"):
+        task = asyncio.ensure_future(_exchange(client, spec))
+        done, _ = await asyncio.wait({task}, timeout=spec.disconnect_after)
+        if not done:
+            task.cancel()  # the connection is dropped: the server sees the client go
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            return Outcome.DISCONNECTED, None, "cut"
+        return task.result()
+    try:
+        return await asyncio.wait_for(_exchange(client, spec), cfg.request_timeout_s)
+    except asyncio.TimeoutError:
+        return Outcome.FAILED, f"no answer in {cfg.request_timeout_s} s (a hang)", "timeout"
+
+
+async def _exchange(client: httpx.AsyncClient, spec: Spec):
+    try:
+        async with client.stream("POST", spec.path, json=spec.body) as r:
+            status = r.status_code
+            if status != 200:
+                raw = await r.aread()
+                return judge_error(spec, status, raw)
+            if not spec.stream:
+                raw = await r.aread()
+                try:
+                    data = json.loads(raw)
+                except json.JSONDecodeError:
+                    return Outcome.FAILED, f"not JSON: {raw[:200]!r}", status
+                if spec.invalid:
+                    return Outcome.FAILED, "an invalid request was answered 200", status
+                problem = validate_json(spec, data)
+                return (Outcome.FAILED, problem, status) if problem else (Outcome.COMPLETED, None, status)
+            if not r.headers.get("content-type", "").startswith("text/event-stream"):
+                return Outcome.FAILED, f"content-type {r.headers.get('content-type')!r}", status
+            events: list[str] = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if spec.disconnect == "mid" and len(events) >= spec.disconnect_after and events[-1] != "[DONE]":
+                        return Outcome.DISCONNECTED, None, "cut"  # leaving the block drops the connection
+            include_usage = bool((spec.body.get("stream_options") or {}).get("include_usage"))
+            problem = validate_stream(spec, events, include_usage)
+            return (Outcome.FAILED, problem, status) if problem else (Outcome.COMPLETED, None, status)
+    except httpx.HTTPError as exc:
+        return Outcome.FAILED, f"transport error {exc!r}", "transport"

@@ -1,0 +1,142 @@
+"""``POST /v1/completions``: prompts (text or token ids, one or a batch) to choices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from travelator.engine.outputs import RequestOutput
+from travelator.server.errors import APIError
+from travelator.server.generation import Generation
+from travelator.server.logprobs import CompletionLogprobsBuilder, TokenTexts
+from travelator.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    now,
+)
+from travelator.server.serving import EnginePrompt, OpenAIServing, usage
+from travelator.server.streaming import event_stream, json_response, sse
+
+
+@dataclass(slots=True)
+class CompletionRun:
+    """One completions request under way: what its answer needs besides the engine's outputs."""
+
+    gen: Generation
+    model: str
+    created: int
+    prompts: list[EnginePrompt]
+    n: int
+    echo_texts: list[str] | None  # per prompt, with echo
+    logprobs: list[CompletionLogprobsBuilder] | None  # per choice, when logprobs were asked for
+    include_usage: bool
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> EnginePrompt:
+        return self.prompts[choice // self.n]
+
+    def echo_of(self, choice: int) -> str:
+        return self.echo_texts[choice // self.n] if self.echo_texts is not None else ""
+
+    def response(self, choices: list[CompletionChoice], totals: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.gen.id, created=self.created, model=self.model,
+                                  choices=choices, usage=totals)
+
+
+def _prompts(serving: OpenAIServing, prompt) -> list[EnginePrompt]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    prompts = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            prompts.append(EnginePrompt(p, serving.tokenizer.encode(p)))
+        else:
+            prompts.append(EnginePrompt(None, list(p)))
+    return prompts
+
+
+def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
+    model = serving.resolve_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    prompts = _prompts(serving, req.prompt)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
+    params = serving.sampling_params(req, max_tokens, req.logprobs)
+    gen = serving.start(prompts, params, req, "prompt", "cmpl")
+    echo_texts = None
+    if req.echo:
+        echo_texts = [p.text if p.text is not None else serving.tokenizer.decode(p.token_ids)
+                      for p in prompts]
+    builders = None
+    if req.logprobs is not None:
+        builders = [CompletionLogprobsBuilder(TokenTexts(
+            serving.tokenizer, [] if req.echo else prompts[i // params.n].token_ids,
+            params.skip_special_tokens)) for i in range(len(prompts) * params.n)]
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return CompletionRun(gen, model, now(), prompts, params.n, echo_texts, builders, include_usage)
+
+
+async def create_completion(serving: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
+    run = _start(serving, req)
+    if req.stream:
+        return event_stream(run.gen, _stream(run))
+    builders = run.logprobs
+    lps = None
+    if builders is not None:
+        lps = [builders[i].prompt(run.prompt_of(i).token_ids) if req.echo else CompletionLogprobs()
+               for i in range(run.num_choices)]
+
+    def on_output(i: int, out: RequestOutput) -> None:
+        if builders is not None:
+            builders[i].add(out.new_logprobs, into=lps[i])
+
+    finals = await serving.collect(request, run.gen, run.num_choices, on_output)
+    if finals is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    choices = [
+        CompletionChoice(index=i, text=run.echo_of(i) + out.text,
+                         logprobs=lps[i] if lps is not None else None,
+                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        for i, out in enumerate(finals)
+    ]
+    return json_response(run.response(choices, usage(run.prompts, finals, run.n)))
+
+
+async def _stream(run: CompletionRun) -> AsyncIterator[str]:
+    def chunk(i: int, text: str, lp: CompletionLogprobs | None = None,
+              out: RequestOutput | None = None) -> str:
+        done = out is not None and out.finished
+        return sse(run.response([CompletionChoice(
+            index=i, text=text, logprobs=lp, finish_reason=out.finish_reason if done else None,
+            stop_reason=out.stop_reason if done else None)]))
+
+    builders = run.logprobs
+    if run.echo_texts is not None:
+        for i in range(run.num_choices):
+            lp = builders[i].prompt(run.prompt_of(i).token_ids) if builders else None
+            yield chunk(i, run.echo_of(i), lp)
+    finals: list[RequestOutput | None] = [None] * run.num_choices
+    async for i, out in run.gen.outputs():
+        lp = builders[i].add(out.new_logprobs) if builders else None
+        if out.finished:
+            finals[i] = out
+        elif not out.new_text and not (lp and lp.tokens):
+            continue
+        yield chunk(i, out.new_text, lp, out)
+    if run.include_usage:
+        yield sse(run.response([], usage(run.prompts, finals, run.n)))

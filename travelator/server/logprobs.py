@@ -1,0 +1,83 @@
+"""Logprobs in the two OpenAI formats, with each token's text decoded in context."""
+
+from __future__ import annotations
+
+from travelator.engine.outputs import TokenLogprob
+from travelator.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+class TokenTexts:
+    """The text each token adds, decoded in context (a short window of the ids before it)."""
+
+    _WINDOW = 6
+
+    def __init__(self, tokenizer, context: list[int], skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(context[-self._WINDOW:])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _piece(self, window: list[int], prev: str, token_id: int) -> str:
+        cur = self._decode(window + [token_id])
+        if cur.startswith(prev):
+            return cur[len(prev):]
+        return self._decode([token_id])
+
+    def push(self, token_id: int, alternatives=()) -> tuple[str, list[tuple[str, float]]]:
+        window = self._ids[-self._WINDOW:]
+        prev = self._decode(window)
+        text = self._piece(window, prev, token_id)
+        alts = [(self._piece(window, prev, t), lp) for t, lp in alternatives]
+        self._ids = window + [token_id]
+        return text, alts
+
+
+def _top(lp: TokenLogprob) -> list[tuple[int, float]]:
+    return sorted(lp.top_logprobs.items(), key=lambda kv: -kv[1])
+
+
+class CompletionLogprobsBuilder:
+    """Builds the legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self.texts = texts
+        self.offset = 0
+
+    def prompt(self, token_ids: list[int]) -> CompletionLogprobs:
+        # Prompt logprobs are not computed by the engine: echoed tokens carry null.
+        res = CompletionLogprobs()
+        for tid in token_ids:
+            text, _ = self.texts.push(tid)
+            res.tokens.append(text)
+            res.token_logprobs.append(None)
+            res.top_logprobs.append(None)
+            res.text_offset.append(self.offset)
+            self.offset += len(text)
+        return res
+
+    def add(self, logprobs: list[TokenLogprob], into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        res = into or CompletionLogprobs()
+        for lp in logprobs:
+            top = _top(lp)
+            text, alts = self.texts.push(lp.token_id, top)
+            tops = dict(alts)
+            tops.setdefault(text, lp.logprob)
+            res.tokens.append(text)
+            res.token_logprobs.append(lp.logprob)
+            res.top_logprobs.append(tops)
+            res.text_offset.append(self.offset)
+            self.offset += len(text)
+        return res
+
+
+def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], top_n: int) -> list[ChatTokenLogprob]:
+    res = []
+    for lp in logprobs:
+        text, alts = texts.push(lp.token_id, _top(lp)[:top_n])
+        res.append(ChatTokenLogprob(
+            token=text, logprob=lp.logprob, bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8"))) for t, v in alts],
+        ))
+    return res
