@@ -21,13 +21,16 @@ FAMILIES = {
     "llama3": {"tie_word_embeddings": True, "rope_theta": 500000.0,
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    # head_dim 64: the vectorised path of the native attention kernel (16 takes the portable one).
+    "llama_hd64": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "initializer_range": 0.25},
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     name = request.param
-    family = "llama" if name == "llama3" else name
+    family = "llama" if name.startswith("llama") else name
     path = build_checkpoint(tmp_path_factory.mktemp(name), family, **FAMILIES[name])
     return path, load_reference(path)
 
@@ -37,9 +40,14 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]
     return [[1] + [rng.randrange(3, 300) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def test_logprobs_match(checkpoint):
+# Both kernel sets: the native CPU kernels (the default here) and the pure-torch fallback.
+KERNELS = ["native", "torch"]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_logprobs_match(checkpoint, kernels):
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="float32")
+    llm = LLM(str(path), dtype="float32", kernels=kernels)
     prompt = prompts(1, seed=1, lo=40, hi=40)[0]
     result = llm.generate([prompt], greedy(8, logprobs=5), use_tqdm=False)[0].outputs[0]
     ref_lp = reference_logprobs(ref, prompt + result.token_ids)
@@ -67,9 +75,10 @@ def test_staggered_batch_matches_alone(checkpoint):
     check_against_reference(ref, LLM(str(path), dtype="float32"), n=10, seed=2)
 
 
-def test_chunked_prefill_matches(checkpoint):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chunked_prefill_matches(checkpoint, kernels):
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7, kernels=kernels)
     check_against_reference(ref, llm, n=9, seed=3)
     assert llm.engine.counters.steps > 0
 
@@ -83,9 +92,10 @@ def test_preemption_matches(checkpoint):
     assert llm.engine.counters.preemptions > 0
 
 
-def test_bfloat16_runs_close_to_reference(checkpoint):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_bfloat16_runs_close_to_reference(checkpoint, kernels):
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="bfloat16")
+    llm = LLM(str(path), dtype="bfloat16", kernels=kernels)
     prompt = prompts(1, seed=5, lo=30, hi=30)[0]
     out = llm.generate([prompt], greedy(1, logprobs=1), use_tqdm=False)[0].outputs[0]
     ref_lp = reference_logprobs(ref, prompt)[-1]

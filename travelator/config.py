@@ -17,6 +17,7 @@ Batching = Literal["iteration", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
+Kernels = Literal["auto", "native", "torch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,10 @@ class ModelConfig:
         "context limit (default: the model's, or what the KV pool holds)")] = None
     seed: Annotated[int, Setting("seed of dummy weights")] = 0
     device: Annotated[str, Setting("cpu, cuda, cuda:N or auto")] = "auto"
+    kernels: Annotated[Kernels, Setting(
+        "native: travelator's C++ CPU kernels (paged attention in one call per layer, fused "
+        "norms, SiLU and rope, pre-packed bf16 linear layers), built on first use; torch: "
+        "plain torch; auto: native on the CPU where they build")] = "auto"
 
     def validate(self) -> None:
         _check_choices(self)

@@ -68,7 +68,8 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     env = launch_env()
     if env is None and size == 1:
         return ModelRunner(arch, weights, dtype=dtype, kv_dtype=kv_dtype, device=device,
-                           max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids)
+                           max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids,
+                           kernels=model.kernels)
     check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
@@ -77,7 +78,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         run_worker(env)
         raise SystemExit(0)
     spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
-                      max_model_len, seed, eos_token_ids)
+                      max_model_len, seed, eos_token_ids, model.kernels)
     return TPExecutor(spec, arch, weights, size, env)
 
 
@@ -165,6 +166,7 @@ class TPExecutor:
         self.runner = ModelRunner(
             arch, weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
             max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
+            kernels=spec.kernels,
             tp=group,
         )
         self.worker = Worker(self.runner)

@@ -43,6 +43,7 @@ class WorkerSpec:
     max_model_len: int
     seed: int
     eos_token_ids: frozenset[int]
+    kernels: str
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -135,6 +136,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
     runner = ModelRunner(
         source.arch, source.weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
         max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
+        kernels=spec.kernels,
         tp=group,
     )
     worker = Worker(runner)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from travelator import kernels
 from travelator.distributed.comm import TPGroup
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.model.arch import ModelArch
-from travelator.model.attention import AttentionBackend, AttentionMetadata
+from travelator.model.attention import AttentionMetadata
 from travelator.model.llama import LlamaModel
+from travelator.model.ops import make_ops
 from travelator.model.loader import WeightIterator
 from travelator.model.sampler import SamplingBatch, sample
 from travelator.sampling_params import SamplingParams
@@ -45,39 +45,26 @@ class StepInputs:
     sampled_ids: list[str]  # request ids in logits_indices order
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """"auto": the native kernel on CPU where it builds, else the torch path."""
-    if name not in ("auto", "native", "torch"):
-        raise ValueError(f"unknown attention backend {name!r}; use auto, native or torch")
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
-        return "torch"
-    if device.type != "cpu":
-        raise ValueError("the native attention kernel runs on the CPU only")
-    if name == "native":
-        kernels.load()  # raises with the compiler's message
-        return "native"
-    return "native" if kernels.available() else "torch"
-
-
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
-                 attention_backend: str = "auto") -> None:
+                 kernels: str = "auto") -> None:
         self.arch = arch
-        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        self.ops = make_ops(kernels, device)
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         self.eos_token_ids = eos_token_ids
         # Tensor parallelism: this rank's shard of the weights and of the KV heads.
         self.tp_size = tp.size if tp is not None else 1
-        model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp)
+        model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp, ops=self.ops)
         if weights is None:
             model.init_dummy_weights(seed)
         else:
             model.load_weights(weights())
         self.model = model.to(device)
+        self.ops.prepare(self.model.linear_weights())
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.states: dict[str, RunnerRequestState] = {}
@@ -202,13 +189,13 @@ class ModelRunner:
         query_start = np.zeros(len(tables) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
         decode_mask = None
-        if self.attention_backend == "torch" and num_decodes:
+        if self.ops.attention_backend == "torch" and num_decodes:
             decode_width = max(len(t) for t in tables[:num_decodes])
             lens = torch.from_numpy(seq_lens[:num_decodes]).to(dev)
             decode_mask = torch.arange(decode_width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
             decode_mask = decode_mask[:, None, None, :]
         meta = AttentionMetadata(
-            backend=self.attention_backend,
+            backend=self.ops.attention_backend,
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             query_start=torch.from_numpy(query_start).to(dev),
             seq_lens=torch.from_numpy(seq_lens).to(dev),

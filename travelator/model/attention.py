@@ -60,7 +60,7 @@ class PagedAttention:
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
-                q.contiguous(), k_cache, v_cache, meta.query_start, meta.seq_lens,
+                q, k_cache, v_cache, meta.query_start, meta.seq_lens,
                 meta.block_tables, self.scale,
             )
         return self._torch_attention(q, k, v, k_cache, v_cache, meta)

@@ -23,7 +23,8 @@ from torch import nn
 from travelator.distributed.comm import TPGroup, check_divisible
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, PagedAttention
-from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard, silu_and_mul
+from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
+from travelator.model.ops import TorchOps
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -33,9 +34,11 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class Attention(nn.Module):
     """Fused QKV projection, rope, paged attention over the KV cache, output projection."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         size = tp.size if tp is not None else 1
+        self.ops = ops
         self.tp = tp
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads // size, arch.num_kv_heads // size, d
@@ -48,14 +51,14 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = self.ops.rope(positions, q, k, rope)
         attn = self.attn(q, k, v, k_cache, v_cache, meta)
-        o = F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        o = self.ops.linear(attn.reshape(t, self.q_size), self.o_weight)
         if self.tp is not None:
             self.tp.all_reduce(o)
         return o
@@ -64,16 +67,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: fused gate/up projection, SiLU(gate) * up, down projection."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         size = tp.size if tp is not None else 1
+        self.ops = ops
         self.tp = tp
         inter = arch.intermediate_size // size
         self.gate_up_weight = _param(2 * inter, arch.hidden_size, dtype=dtype)
         self.down_weight = _param(arch.hidden_size, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        ops = self.ops
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_weight)), self.down_weight)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out
@@ -82,22 +88,26 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.ops = ops
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype, tp)
+        self.self_attn = Attention(arch, dtype, ops, tp)
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype, tp)
+        self.mlp = MLP(arch, dtype, ops, tp)
 
     def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_norm(x), positions, rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+        h = self.self_attn(self.ops.rms_norm(x, self.input_norm), positions, rope, k_cache, v_cache, meta)
+        x, normed = self.ops.add_rms_norm(x, h, self.post_attn_norm)  # x + h, and its norm
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, ops: TorchOps | None = None) -> None:
         super().__init__()
+        self.ops = ops if ops is not None else TorchOps()
         if tp is not None:
             check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp.size)
         self.arch = arch
@@ -108,7 +118,7 @@ class LlamaModel(nn.Module):
         vocab = self.shards["embed"].local_shape(self.full_shapes["embed"], self.tp_size)[0]
         self.vocab_start = self.tp_rank * vocab  # this rank's slice of the vocabulary
         self.embed = _param(vocab, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, tp) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.ops, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(vocab, arch.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
@@ -116,6 +126,14 @@ class LlamaModel(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights that go through ``ops.linear`` (the ops may pre-pack them)."""
+        mats = [self.lm_head_weight]
+        for layer in self.layers:
+            mats += [layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                     layer.mlp.gate_up_weight, layer.mlp.down_weight]
+        return mats
 
     @torch.inference_mode()
     def forward(
@@ -128,7 +146,7 @@ class LlamaModel(nn.Module):
         x = self._embed(input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, k_cache, v_cache, meta)
-        return self.norm(x)
+        return self.ops.rms_norm(x, self.norm)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -143,7 +161,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary float32 logits; with tensor parallelism on the driver only
         (the other ranks send their slice and get None)."""
-        logits = F.linear(hidden, self.lm_head_weight)
+        logits = self.ops.linear(hidden, self.lm_head_weight)
         if self.tp is None:
             return logits.float()
         full = self.tp.gather(logits, dim=-1)

@@ -14,7 +14,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -114,7 +114,7 @@ struct WorkItem {
 template <typename scalar_t, typename cache_t>
 void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, const cache_t* k_cache,
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
-                 const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                 const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale) {
   const int64_t D = head_dim, bs = block_size;
@@ -131,7 +131,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
   for (int64_t i = 0; i < w.num_queries; ++i) {
     const int64_t token = query_start[w.request] + w.first_query + i;
     for (int64_t r = 0; r < group; ++r) {
-      const scalar_t* src = q + (token * num_heads + kv_head * group + r) * D;
+      const scalar_t* src = q + token * q_stride + (kv_head * group + r) * D;
       float* dst = &qf[(i * group + r) * D];
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
     }
@@ -196,12 +196,12 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
 template <typename scalar_t, typename cache_t>
 void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
-                 const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                 const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale) {
   for (int64_t h = 0; h < num_kv_heads; ++h)
     attend_item_head(w, h, q, k_cache, v_cache, out, query_start, seq_lens, block_tables,
-                     table_width, num_heads, num_kv_heads, head_dim, block_size, scale);
+                     table_width, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale);
 }
 
 #if defined(__AVX512F__)
@@ -213,7 +213,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
 template <typename scalar_t, typename cache_t, int64_t kChunks>
 void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
-                     const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                     const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      float scale) {
   // head_dim / 16 is a compile-time constant, so that q and the accumulator stay in
@@ -231,11 +231,12 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
 
   std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kf(padded_bs * D, 0.0f), vf(bs * D), s(padded_bs);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
-  const scalar_t* q0 = q + (query_start[w.request] + w.first_query) * num_heads * D;
-  for (int64_t row = 0; row < rows; ++row)
+  for (int64_t row = 0; row < rows; ++row) {
+    const scalar_t* src = q + (query_start[w.request] + w.first_query + row / num_heads) * q_stride +
+                          (row % num_heads) * D;
     for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(&qf[row * D + 16 * c],
-                       _mm512_mul_ps(load16(q0 + row * D + 16 * c), _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(&qf[row * D + 16 * c], _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale)));
+  }
   const int64_t* table = block_tables + w.request * table_width;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t key0 = b * bs;
@@ -354,7 +355,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         item_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
                 v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
                 seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
-                block_tables.size(1), num_heads, num_kv_heads, head_dim, block_size,
+                block_tables.size(1), q.stride(0), num_heads, num_kv_heads, head_dim, block_size,
                 static_cast<float>(scale));
       }
     }
@@ -373,7 +374,7 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   }
 }
 
-// q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; query_start [B + 1],
+// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D]; query_start [B + 1],
 // seq_lens [B] (keys after this step's tokens are written), block_tables [B, width]:
 // all int64. Request r's queries are rows query_start[r] .. query_start[r + 1] of q, at
 // positions seq_lens[r] - q_len .. seq_lens[r] - 1; query i sees keys 0 .. its position.
@@ -382,8 +383,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_tables, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention: q and the caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: q must have contiguous heads, the caches must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_attention: head shapes do not match");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K/V dtypes differ");
@@ -391,7 +392,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_attention: index tensors must be contiguous int64");
   TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
               "paged_attention: metadata sizes do not match");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
     case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
