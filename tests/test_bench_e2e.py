@@ -7,7 +7,6 @@ run and write their reports, never how fast anything is.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import threading
 import time
@@ -15,11 +14,11 @@ import time
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from paths import STORIES
+from paths import STORIES, needs_stories
 
 from travelator.bench.cli import main
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="stories260K.gguf is missing")
+pytestmark = needs_stories
 
 TINY = ["--model", str(STORIES), "--max-num-seqs", "4", "--max-model-len", "64",
         "--prompt-len-range", "4", "12", "--output-len-range", "1", "6", "--no-progress"]
@@ -141,19 +140,6 @@ def test_bench_serve_client_against_a_stand_in_server(fake_server, tmp_path):
     assert body["ignore_eos"] is True and len(body["prompt"]) == 5
 
 
-def _real_server_available() -> bool:
-    if importlib.util.find_spec("travelator.server.app") is None:
-        return False
-    from travelator.cli import build_parser
-
-    try:
-        build_parser().parse_args(["serve", "--help"])
-    except SystemExit as e:
-        return e.code == 0
-    return False
-
-
-@pytest.mark.skipif(not _real_server_available(), reason="travelator serve is not there yet")
 def test_bench_serve_starts_a_real_server(tmp_path, capsys):
     path = tmp_path / "serve.json"
     rc = main(["serve", *TINY, "--num-requests", "4", "--request-rate", "inf",
