@@ -170,7 +170,7 @@ class ModelRunner:
             else:
                 table = torch.from_numpy(blocks[: -(-end // bs)]).to(self.device)
                 chunks.append(PrefillChunk(offset, n, start, table))
-            if end == len(s.token_ids):  # reached the end: sample (invariant 5)
+            if end == len(s.token_ids):  # reached the end: sample (docs/design.md invariant 5)
                 logits_indices.append(offset + n - 1)
                 sampled_ids.append(rid)
             offset += n
