@@ -104,7 +104,7 @@ def main() -> None:
         rows.append((f"travelator iteration-level, max_num_seqs {args.max_num_seqs}",
                      run_travelator(d, reqs, "iteration", args.max_num_seqs)))
     base = useful / rows[0][1]
-    print(f"\n| configuration | seconds | output tok/s | vs first row |\n|---|---|---|---|")
+    print("\n| configuration | seconds | output tok/s | vs first row |\n|---|---|---|---|")
     for name, s in rows:
         print(f"| {name} | {s:.1f} | {useful / s:.1f} | {useful / s / base:.2f}x |")
 

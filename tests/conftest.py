@@ -1,4 +1,20 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from paths import REQUIRE_NATIVE, REQUIRE_SHARED, STORIES  # noqa: E402
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if REQUIRE_SHARED and not STORIES.is_file():
+        raise pytest.UsageError(f"TRAVELATOR_REQUIRE_SHARED=1 but {STORIES} is missing")
+    if REQUIRE_NATIVE:
+        from travelator import kernels
+
+        try:
+            kernels.load()
+        except kernels.NativeKernelsUnavailable as exc:
+            raise pytest.UsageError(f"TRAVELATOR_REQUIRE_NATIVE=1 but {exc}") from exc

@@ -13,11 +13,11 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from live import serve_in_thread
-from paths import STORIES
+from paths import STORIES, needs_stories
 
 from travelator.bench.cli import main
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="stories260K.gguf is missing")
+pytestmark = needs_stories
 
 TINY = ["--model", str(STORIES), "--max-num-seqs", "4", "--max-model-len", "64",
         "--prompt-len-range", "4", "12", "--output-len-range", "1", "6", "--no-progress"]

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paths import STORIES, needs_stories
 from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.model.tokenizer import Tokenizer
 
-MODEL = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K.gguf"
+pytestmark = needs_stories
 
-pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
-
-_TOK = Tokenizer.from_gguf(gguf.GGUFReader(str(MODEL))) if MODEL.is_file() else None
+_TOK = Tokenizer.from_gguf(gguf.GGUFReader(str(STORIES))) if STORIES.is_file() else None
 _BYTE_TOK = Tokenizer.byte_level(300)
 
 

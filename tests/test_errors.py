@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from hf_models import build_checkpoint
-from paths import STORIES
+from paths import STORIES, needs_stories
 from travelator import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 
 @pytest.fixture(scope="module")

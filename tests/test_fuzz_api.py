@@ -19,20 +19,19 @@ import urllib.parse
 from types import SimpleNamespace
 
 import httpx
+import hypothesis_jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paths import STORIES
+from paths import STORIES, needs_stories
 from live import serve_in_thread
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
 from travelator.server.settings import ServerSettings
 
-hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema")
-
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paths import STORIES
+from paths import STORIES, needs_stories
 from travelator import LLM, SamplingParams
 from travelator.model.sampler import SamplingBatch, sample
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 
 @pytest.fixture(scope="module")

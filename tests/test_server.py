@@ -15,14 +15,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from paths import STORIES
+from paths import STORIES, needs_stories
 from live import serve_in_thread
 from travelator import LLM, SamplingParams
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
 from travelator.server.settings import ServerSettings
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 API_KEY = "test-key"
 MODEL = "stories"

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from paths import STORIES
+from paths import STORIES, needs_stories
 from travelator.server.process import ServerProcess, free_port, serve_command
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 0.5

@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 
 import httpx
-import pytest
 
-from paths import STORIES
+from paths import STORIES, needs_stories
 from live import serve_in_thread
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
@@ -23,7 +22,7 @@ from travelator.server.settings import ServerSettings
 from travelator.bench.soak.config import SoakConfig
 from travelator.bench.soak.driver import run_soak
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 
 def test_short_soak_loses_nothing(capsys):

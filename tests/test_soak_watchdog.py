@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from paths import STORIES
+from paths import STORIES, needs_stories
 from live import serve_in_thread
 from travelator import LLM
 from travelator.engine import model_runner
@@ -29,7 +29,7 @@ from travelator.server.app import build_app
 from travelator.server.process import ServerProcess, free_port
 from travelator.server.settings import ServerSettings
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time"

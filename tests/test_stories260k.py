@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from paths import STORIES, STORIES_EXPECTED
+from paths import STORIES, STORIES_EXPECTED, needs_stories
 from travelator import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(not STORIES.exists(), reason="shared/models not present")
+pytestmark = needs_stories
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paths import STORIES, needs_stories
 from travelator.model.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer
 
-MODEL = Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K.gguf"
-
-pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} not found")
+pytestmark = needs_stories
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -59,7 +58,7 @@ def _random_texts(n: int, seed: int = 0) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reader() -> gguf.GGUFReader:
-    return gguf.GGUFReader(str(MODEL))
+    return gguf.GGUFReader(str(STORIES))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +166,8 @@ def _write_hf_dir(tok: Tokenizer, path: Path, *, config: dict | None = None, pos
 
 @pytest.fixture(scope="module")
 def auto_tokenizer():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return transformers.AutoTokenizer
 
 

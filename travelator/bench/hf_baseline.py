@@ -131,6 +131,5 @@ def run_transformers(arch, workload: Workload, *, batch_size: int, dtype: str = 
         "padding_share": float(1 - useful / computed) if computed else 0.0,
         "dtype": dtype,
     }
-    del model
     return RunResult(results, duration), padding
 

@@ -6,7 +6,7 @@ new requests in full, running ones as changes, freed ids) plus the tokens it sam
 the previous step, over the gloo control group. Then every rank runs the same step on its
 shard; the tensors move over the data group (all-reduces inside the model, the gather of
 the vocabulary-split logits to the driver). Every rank therefore executes exactly the
-same schedule (DESIGN invariant 9), and the workers' copies of the sequences stay equal
+same schedule (docs/design.md invariant 9), and the workers' copies of the sequences stay equal
 to the driver's.
 
 A worker that dies breaks the group: gloo reports the closed connection at once, the

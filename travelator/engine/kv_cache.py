@@ -9,7 +9,7 @@ every token before it (and a namespace plus the request's cache salt, since thos
 change the KV too). A new request reuses each leading full block whose key is still
 in memory. Freed blocks keep their key and stay reusable until they are needed for
 new data; they are evicted least-recently-freed first, the tail of a sequence
-before its head. A reused block loses its old key (DESIGN.md invariant 7).
+before its head. A reused block loses its old key (docs/design.md invariant 7).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Leading blocks of a request that holds none yet, already in the cache.
 
-        At least one token is always left to compute (invariant 6), so the last
+        At least one token is always left to compute (docs/design.md invariant 6), so the last
         token's logits can be sampled.
         """
         if not self.enable_prefix_caching:

@@ -175,7 +175,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             tables.append(s.block_ids[: -(-end // bs)])
-            if end == len(s.token_ids):  # reached the end: sample (invariant 5)
+            if end == len(s.token_ids):  # reached the end: sample (docs/design.md invariant 5)
                 logits_indices.append(offset + n - 1)
                 sampled_ids.append(rid)
             offset += n

@@ -11,7 +11,7 @@ Two backends read the same metadata:
   decodes first; their blocks are gathered into a padded [B, L] key range with a length
   mask, one SDPA call for the lot. Each prefill chunk gets its own SDPA call with a
   bottom-right causal mask: query i of a chunk that starts at position p sees keys
-  0..p+i (docs/design.md, invariant 3).
+  0..p+i (docs/design.md invariant 3).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # Write before reading (invariant 4): a chunk's own keys come from the cache too.
+        # Write before reading (docs/design.md invariant 4): a chunk's own keys come from the
+        # cache too.
         kvh, d = self.num_kv_heads, self.head_dim
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
