@@ -82,11 +82,14 @@ def run_transformers(model_dir: str, work: list, batch_size: int) -> dict:
 
 # ---- the driver ----------------------------------------------------------------------------
 def one_run(cmd: list[str], env: dict | None = None) -> dict:
-    """Run a system in a fresh process; its last stdout line is a JSON result."""
+    """Run a system in a fresh process; its result is the last JSON line it prints (a peer
+    may log to stdout after it)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[:3]} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"{cmd[:3]} failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
+    return json.loads(results[-1])
 
 
 def main() -> None:

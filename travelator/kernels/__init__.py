@@ -19,6 +19,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "elementwise.cpp")
+_HEADERS = ("float_math.h",)
 _CSRC = Path(__file__).parent / "csrc"
 
 
@@ -39,7 +40,7 @@ def _cpu_signature() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         h.update((_CSRC / name).read_bytes())
     h.update(torch.__version__.encode())
     h.update(_cpu_signature().encode())

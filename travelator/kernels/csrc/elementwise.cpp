@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -22,25 +24,6 @@
 namespace {
 
 constexpr int kLanes = 16;
-
-// exp(x) by range reduction (x = n ln2 + r) and a degree-6 polynomial, in plain float
-// arithmetic the compiler vectorises (a libm call per element would not be).
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.98756912e-4f;
-  p = p * r + 1.39819994e-3f;
-  p = p * r + 8.33345205e-3f;
-  p = p * r + 4.16657962e-2f;
-  p = p * r + 1.66666657e-1f;
-  p = p * r + 5.00000000e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 template <typename T>
 inline T round_to(float x) {
@@ -147,7 +130,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       T* o = op + r * inter;
       for (int64_t i = 0; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
-        const float silu = static_cast<float>(round_to<T>(x / (1.0f + exp_approx(-x))));
+        const float silu = static_cast<float>(round_to<T>(x / (1.0f + travelator::exp_approx(-x))));
         o[i] = round_to<T>(silu * static_cast<float>(u[i]));
       }
     }

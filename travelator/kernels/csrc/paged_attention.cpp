@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -35,25 +37,6 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
 
-// exp(x) for x <= 0 by range reduction (x = n ln2 + r) and a degree-6 polynomial:
-// plain float arithmetic the compiler vectorises, same result on every call.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.98756912e-4f;
-  p = p * r + 1.39819994e-3f;
-  p = p * r + 8.33345205e-3f;
-  p = p * r + 4.16657962e-2f;
-  p = p * r + 1.66666657e-1f;
-  p = p * r + 5.00000000e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 #if defined(__AVX512F__)
 // AVX-512 path: 16 floats a vector. A row's numbers depend only on its own inputs
 // here too: every row goes through the same instructions in the same order.
@@ -67,7 +50,7 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// exp(x) for x <= 0, the same reduction and polynomial as exp_nonpositive.
+// exp(x) for x <= 0, the same reduction and polynomial as travelator::exp_approx.
 inline __m512 exp16_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -163,10 +146,10 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
         float block_max = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n_valid; ++j) block_max = std::max(block_max, s[j]);
         const float m_new = std::max(m[row], block_max);
-        const float alpha = exp_nonpositive(m[row] - m_new);  // 0 on the first block
+        const float alpha = travelator::exp_approx(m[row] - m_new);  // 0 on the first block
         float sum = 0.0f;
         for (int64_t j = 0; j < n_valid; ++j) {
-          s[j] = exp_nonpositive(s[j] - m_new);
+          s[j] = travelator::exp_approx(s[j] - m_new);
           sum += s[j];
         }
         l[row] = l[row] * alpha + sum;
