@@ -66,3 +66,20 @@ def test_rope_rejects_positions_past_the_table():
     q, k = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.rope_(q, k, torch.tensor([8]), rope.cos, rope.sin)
+
+
+def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch):
+    from travelator.model.ops import TorchOps, make_ops
+
+    def no_compiler():
+        raise kernels.NativeKernelsUnavailable("native kernels could not be built: no g++")
+
+    monkeypatch.setattr(kernels, "load", no_compiler)
+    kernels.available.cache_clear()
+    try:
+        ops = make_ops("auto", torch.device("cpu"))
+        assert type(ops) is TorchOps and ops.attention_backend == "torch"
+        with pytest.raises(kernels.NativeKernelsUnavailable, match="no g.."):
+            make_ops("native", torch.device("cpu"))
+    finally:
+        kernels.available.cache_clear()  # the next caller sees the real build again

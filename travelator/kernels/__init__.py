@@ -72,10 +72,12 @@ def load() -> None:
         raise NativeKernelsUnavailable(f"native kernels could not be built: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
+    """Whether the kernels build here; a failure is reported (and tried) once per process."""
     try:
         load()
     except NativeKernelsUnavailable as exc:
-        log.warning("%s; using the pure-torch attention path", exc)
+        log.warning("%s; running on plain torch (kernels=torch)", exc)
         return False
     return True
