@@ -83,3 +83,15 @@ def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch):
             make_ops("native", torch.device("cpu"))
     finally:
         kernels.available.cache_clear()  # the next caller sees the real build again
+
+
+def test_argmax_rows_is_torch_argmax():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 32001, generator=g)
+    x[5, 100] = x[5, 7] = 50.0  # a tie: the first index wins
+    x[9, :] = 0.0
+    x[11, 300] = float("nan")  # a NaN row: the first NaN, as torch
+    x[11, 20] = float("nan")
+    x[12, 4] = float("inf")
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:, :3].contiguous()), x[:, :3].argmax(dim=-1))

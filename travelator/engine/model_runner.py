@@ -116,7 +116,7 @@ class ModelRunner:
             output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
             eos_token_ids=self.eos_token_ids,
         )
-        result = sample(logits, batch)
+        result = sample(logits, batch, argmax=self.ops.argmax)
         sampled = {}
         for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states)):
             tok = result.token_ids[row]

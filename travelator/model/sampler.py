@@ -5,6 +5,7 @@ request must get the same random numbers whatever else is in its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,14 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float]] | None
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """``logits``: [B, V] float32, one row per request in ``batch``."""
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax) -> SamplerOutput:
+    """``logits``: [B, V] float32, one row per request in ``batch``. ``argmax`` gives each
+    row's first largest index (the model's ops may have a faster one than torch's)."""
     params = batch.params
     b, vocab = logits.shape
     want_logprobs = any(p.logprobs is not None for p in params)
@@ -47,7 +54,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     dev = logits.device
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     if bool(greedy.all()):
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax(logits)
     else:
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         scaled = logits / temps.unsqueeze(1)
@@ -55,8 +62,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         probs = torch.softmax(scaled, dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
         noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
-        sampled = (probs / noise).argmax(dim=-1)
-        token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = argmax(probs / noise)
+        token_ids = torch.where(greedy, argmax(logits), sampled)
 
     ids = token_ids.tolist()
     if not want_logprobs:

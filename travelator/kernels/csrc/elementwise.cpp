@@ -18,8 +18,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <cstdint>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -192,6 +197,57 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   });
 }
 
+// Index of each row's largest value, as torch.argmax(dim=-1): the first maximum, and the
+// first NaN if a row has one. One pass for the maximum, one for its first position;
+// vectorised on AVX-512 (torch's own arg-reduction is scalar-speed here).
+int64_t argmax_row(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(best);
+  __mmask16 nan_lanes = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, v);
+  }
+  has_nan = nan_lanes != 0;
+  if (!has_nan) best = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < n; ++i) {
+    has_nan |= x[i] != x[i];
+    best = std::max(best, x[i]);
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(best);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                  : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#endif
+  for (; j < n; ++j)
+    if (has_nan ? x[j] != x[j] : x[j] == best) return j;
+  return 0;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "argmax_rows: expected a contiguous float32 [B, V] tensor");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
@@ -199,8 +255,10 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }
