@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from travelator import kernels
-from travelator.model.attention import AttentionMetadata, PagedAttention
+from travelator.model.attention import PagedAttention, build_metadata
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
 
@@ -42,23 +42,9 @@ def reference(q, k_cache, v_cache, requests, scale):
 
 def metadata(requests, backend, block_size):
     """requests: (context_len, query_len, block_table) in flat order, decodes first."""
-    width = max(len(t) for _, _, t in requests)
-    tables = torch.zeros(len(requests), width, dtype=torch.long)
-    for i, (_, _, t) in enumerate(requests):
-        tables[i, : len(t)] = torch.tensor(t)
-    qlens = [n for _, n, _ in requests]
-    ctx = [c for c, _, _ in requests]
-    seq = torch.tensor([c + n for c, n, _ in requests])
-    nd = sum(1 for n in qlens if n == 1)
-    mask = None
-    if backend == "torch" and nd:
-        dw = max(len(t) for _, _, t in requests[:nd])
-        mask = (torch.arange(dw * block_size).unsqueeze(0) < seq[:nd].unsqueeze(1))[:, None, None, :]
-    return AttentionMetadata(
-        backend=backend, slot_mapping=torch.empty(0, dtype=torch.long),
-        query_start=torch.tensor([0] + qlens).cumsum(0), seq_lens=seq, block_tables=tables,
-        num_decodes=nd, query_lens=qlens, context_lens=ctx, decode_mask=mask,
-    )
+    return build_metadata(backend, torch.empty(0, dtype=torch.long), [n for _, n, _ in requests],
+                          [c for c, _, _ in requests], [t for _, _, t in requests], block_size,
+                          torch.device("cpu"))
 
 
 def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):

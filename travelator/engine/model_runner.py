@@ -18,7 +18,7 @@ import torch
 from travelator.distributed.comm import TPGroup
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.model.arch import ModelArch
-from travelator.model.attention import AttentionMetadata
+from travelator.model.attention import AttentionMetadata, build_metadata
 from travelator.model.llama import LlamaModel
 from travelator.model.ops import make_ops
 from travelator.model.loader import WeightIterator
@@ -151,7 +151,6 @@ class ModelRunner:
         # Decodes (one query each) first: the torch fallback batches them in one call.
         items = list(out.num_scheduled_tokens.items())
         ordered = [(rid, n) for rid, n in items if n == 1] + [(rid, n) for rid, n in items if n != 1]
-        num_decodes = sum(1 for _, n in ordered if n == 1)
 
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
@@ -181,30 +180,9 @@ class ModelRunner:
             offset += n
 
         dev = self.device
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(tables), width), dtype=np.int64)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        seq_lens = np.asarray(context_lens, dtype=np.int64) + np.asarray(query_lens, dtype=np.int64)
-        query_start = np.zeros(len(tables) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        decode_mask = None
-        if self.ops.attention_backend == "torch" and num_decodes:
-            decode_width = max(len(t) for t in tables[:num_decodes])
-            lens = torch.from_numpy(seq_lens[:num_decodes]).to(dev)
-            decode_mask = torch.arange(decode_width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-            decode_mask = decode_mask[:, None, None, :]
-        meta = AttentionMetadata(
-            backend=self.ops.attention_backend,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            num_decodes=num_decodes,
-            query_lens=query_lens,
-            context_lens=context_lens,
-            decode_mask=decode_mask,
-        )
+        meta = build_metadata(self.ops.attention_backend,
+                              torch.from_numpy(np.concatenate(slots)).to(dev),
+                              query_lens, context_lens, tables, bs, dev)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),

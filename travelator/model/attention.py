@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +37,38 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for the torch path
     context_lens: list[int]  # tokens cached before this step, per request
     decode_mask: torch.Tensor | None = None  # torch path: [nd, 1, 1, width * block_size] bool
+
+
+def build_metadata(backend: AttentionBackend, slot_mapping: torch.Tensor, query_lens: list[int],
+                   context_lens: list[int], block_tables: list[list[int]], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """The metadata of one flat batch, requests in batch order with decodes first; each
+    block table covers at least its request's context plus query."""
+    width = max(len(t) for t in block_tables)
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = t
+    seq_lens = np.asarray(context_lens, dtype=np.int64) + np.asarray(query_lens, dtype=np.int64)
+    query_start = np.zeros(len(block_tables) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    decode_mask = None
+    if backend == "torch" and num_decodes:
+        decode_width = max(len(t) for t in block_tables[:num_decodes])
+        lens = torch.from_numpy(seq_lens[:num_decodes]).to(device)
+        decode_mask = torch.arange(decode_width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        decode_mask = decode_mask[:, None, None, :]
+    return AttentionMetadata(
+        backend=backend,
+        slot_mapping=slot_mapping,
+        query_start=torch.from_numpy(query_start).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        block_tables=torch.from_numpy(table).to(device),
+        num_decodes=num_decodes,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        decode_mask=decode_mask,
+    )
 
 
 class PagedAttention:
