@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 _SOURCES = ("paged_attention.cpp", "elementwise.cpp")
 _HEADERS = ("float_math.h",)
 _CSRC = Path(__file__).parent / "csrc"
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers (its parallel backend
+# here); without the flag it compiles to a serial loop and every kernel runs on one thread.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -42,6 +46,7 @@ def _build_key() -> str:
     h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update((_CSRC / name).read_bytes())
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_signature().encode())
     return h.hexdigest()[:16]
@@ -63,7 +68,8 @@ def load() -> None:
         cpp_extension.load(
             name=f"travelator_kernels_{key}",
             sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native"],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
