@@ -89,19 +89,43 @@ def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, he
     torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)
 
 
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),
+])
+@pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (4, 1, 128), (2, 2, 32)])
+def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d):
+    """Contexts past the kernel's key chunk (256 positions), decodes and prefill chunks."""
+    bs, num_blocks = 16, 400
+    rng = random.Random(d)
+    k_cache, v_cache = make_cache(num_blocks, bs, kvh, d, kv_dtype, seed=d + 1)
+    blocks = rng.sample(range(num_blocks), num_blocks)
+    reqs = []
+    for context, n in [(255, 1), (256, 1), (700, 1), (511, 1), (240, 40), (600, 33)]:
+        need = -(-(context + n) // bs)
+        reqs.append((context, n, blocks[:need]))
+        blocks = blocks[need:]
+    total = sum(n for _, n, _ in reqs)
+    q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d)
+    torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_the_batch_or_the_chunking(dtype):
+@pytest.mark.parametrize("prompt_len,chunks", [(53, (1, 5, 17)), (300, (7, 64))])
+def test_rows_do_not_depend_on_the_batch_or_the_chunking(dtype, prompt_len, chunks):
     heads, kvh, d, bs = 8, 4, 64, 16
     k_cache, v_cache = make_cache(300, bs, kvh, d, dtype, seed=3)
     rng = random.Random(7)
-    # One prompt of 53 tokens at context 0, its 14 blocks at random places.
-    table = rng.sample(range(300), 4)
-    q_all = torch.randn(53, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
-    whole = attend("native", q_all, k_cache, v_cache, [(0, 53, table)], heads, kvh, d)
-    # The same rows computed in chunks of 1, 5 and 17, each as a decode or a chunk with context.
-    for chunk in (1, 5, 17):
-        for start in range(0, 53, chunk):
-            n = min(chunk, 53 - start)
+    # One prompt at context 0, its blocks at random places.
+    table = rng.sample(range(300), -(-prompt_len // bs))
+    q_all = torch.randn(prompt_len, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = attend("native", q_all, k_cache, v_cache, [(0, prompt_len, table)], heads, kvh, d)
+    # The same rows computed in chunks, each as a decode or a chunk with context.
+    for chunk in chunks:
+        for start in range(0, prompt_len, chunk):
+            n = min(chunk, prompt_len - start)
             others = random_requests(rng, 300, bs, n_decodes=rng.randint(0, 6), n_prefills=rng.randint(0, 3))
             others = [(c, m, [b for b in t if b not in table] or [299]) for c, m, t in others]
             others = [(c, m, t) for c, m, t in others if len(t) * bs >= c + m]

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -188,116 +189,207 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
 }
 
 #if defined(__AVX512F__)
-// The same work on AVX-512, for head_dim 32, 64 or 128. One item takes
-// every KV head of its request, so each cache block ([block_size, KVH, D], contiguous)
-// is read once, front to back, while the next one is prefetched. K and V rows are
-// converted to float once per block and head and shared by the rows of that head; a
-// row's scores come 16 keys at a time and its accumulator stays in registers.
+// The same work on AVX-512, for head_dim 32, 64 or 128. One item takes every KV head
+// of its request. Keys are taken in chunks of kKeyChunk absolute positions (so the
+// chunking is the same for a decode, a prefill tile or a whole prompt); per chunk and
+// KV head: (1) the scores of every row of the head's query group, 16 keys at a time,
+// read in place from the cache (bf16 pairs through vdpbf16ps where q and the cache are
+// bf16), (2) one online-softmax update per row, (3) p.V with the accumulators of a few
+// rows held in registers while each V row is converted once for all of them.
+constexpr int64_t kKeyChunk = 256;
+
+#if defined(__AVX512BF16__)
+// Scores of one bf16 query row against 16 bf16 key rows (pairs of head_dim lanes).
+template <int64_t kChunks>
+inline __m512 dots16(const c10::BFloat16* qr, const c10::BFloat16* const* krows) {
+  constexpr int64_t kPairs = kChunks / 2;  // 32 bf16 a vector
+  __m512bh qv[kPairs];
+  for (int64_t c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+  __m512 dots[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(krows[j]));
+    for (int64_t c = 1; c < kPairs; ++c)
+      d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(krows[j] + 32 * c));
+    dots[j] = d;
+  }
+  return transpose_sum16(dots);
+}
+#endif
+
+// The general case: the 16 key rows converted to float once (kf, [16][D]) for every row.
+template <typename scalar_t, int64_t kChunks>
+inline __m512 dots16(const scalar_t* qr, const float* kf) {
+  __m512 qv[kChunks];
+  for (int64_t c = 0; c < kChunks; ++c) qv[c] = load16(qr + 16 * c);
+  __m512 dots[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kf + j * 16 * kChunks));
+    for (int64_t c = 1; c < kChunks; ++c) d = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kf + j * 16 * kChunks + 16 * c), d);
+    dots[j] = d;
+  }
+  return transpose_sum16(dots);
+}
+
+// acc[r] += sum_j p[r][j] v_j for R rows and keys j of one group, in order.
+template <typename cache_t, int64_t kChunks, int64_t R>
+inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows) {
+  __m512 a[R][kChunks];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * 16 * kChunks + 16 * c);
+  for (int64_t j = 0; j < n_keys; ++j) {
+    __m512 v[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) v[c] = load16(vrows[j] + 16 * c);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r * kKeyChunk + j]);
+      for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * 16 * kChunks + 16 * c, a[r][c]);
+}
+
+template <typename cache_t, int64_t kChunks, int64_t R = 16 / kChunks>
+inline void pv_any_rows(int64_t rows, float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows) {
+  if constexpr (R > 1) {
+    if (rows < R) return pv_any_rows<cache_t, kChunks, R - 1>(rows, acc, p, n_keys, vrows);
+  }
+  pv_rows<cache_t, kChunks, R>(acc, p, n_keys, vrows);
+}
+
+// Ask for the rows of 16 keys (every KV head: a key's rows are contiguous in a block).
+template <typename cache_t>
+inline void prefetch_keys(const cache_t* cache, const int64_t* key_offset, int64_t key_bytes, int hint) {
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j > 0 && key_offset[j] == key_offset[j - 1]) continue;  // padding repeats a key
+    const char* row = reinterpret_cast<const char*>(cache + key_offset[j]);
+    for (int64_t byte = 0; byte < key_bytes; byte += 64) {
+      if (hint == 0) _mm_prefetch(row + byte, _MM_HINT_T0);
+      else _mm_prefetch(row + byte, _MM_HINT_T1);
+    }
+  }
+}
+
 template <typename scalar_t, typename cache_t, int64_t kChunks>
 void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                      const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      float scale) {
-  // head_dim / 16 is a compile-time constant, so that q and the accumulator stay in
+  // head_dim / 16 is a compile-time constant, so that q and the accumulators stay in
   // registers (an array indexed by a run-time bound would live on the stack).
-  constexpr int64_t chunks = kChunks, kMaxChunks = kChunks;
-  const int64_t D = head_dim, bs = block_size;
-  const int64_t group = num_heads / num_kv_heads;
+  constexpr int64_t D = 16 * kChunks;
+  constexpr int64_t kRowBatch = 16 / kChunks;  // accumulators of this many rows in registers
+#if defined(__AVX512BF16__)
+  constexpr bool kPairDots = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+#else
+  constexpr bool kPairDots = false;
+#endif
+  (void)head_dim;
+  const int64_t bs = block_size, group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
-  const int64_t first_pos = seq_lens[w.request] - q_len;
-  const int64_t rows = w.num_queries * num_heads;  // row = query * num_heads + head
-  const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
-  const int64_t num_blocks = last_pos / bs + 1;
-  const int64_t padded_bs = (bs + 15) / 16 * 16;
-  const int64_t block_bytes = bs * num_kv_heads * D * static_cast<int64_t>(sizeof(cache_t));
-
-  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kf(padded_bs * D, 0.0f), vf(bs * D), s(padded_bs);
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
-  for (int64_t row = 0; row < rows; ++row) {
-    const scalar_t* src = q + (query_start[w.request] + w.first_query + row / num_heads) * q_stride +
-                          (row % num_heads) * D;
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(&qf[row * D + 16 * c], _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale)));
-  }
+  const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
+  const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t rows = w.num_queries * group;  // per KV head; row = query * group + r
+  const int64_t all_rows = num_kv_heads * rows;  // row h * rows + r: head h's row r
+  const int64_t token0 = query_start[w.request] + w.first_query;
+  const int64_t key_stride = num_kv_heads * D;  // a key's rows, all heads, in a block
+  const int64_t key_bytes = key_stride * static_cast<int64_t>(sizeof(cache_t));
   const int64_t* table = block_tables + w.request * table_width;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t key0 = b * bs;
-    const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
-    if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: ask for it now
-      const char* nk = reinterpret_cast<const char*>(k_cache + table[b + 1] * bs * num_kv_heads * D);
-      const char* nv = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * num_kv_heads * D);
-      for (int64_t byte = 0; byte < block_bytes; byte += 64) {
-        _mm_prefetch(nk + byte, _MM_HINT_T0);
-        _mm_prefetch(nv + byte, _MM_HINT_T0);
-      }
+
+  std::vector<float> m(all_rows, -std::numeric_limits<float>::infinity()), l(all_rows, 0.0f);
+  std::vector<float> acc(all_rows * D, 0.0f), s(all_rows * kKeyChunk), kf(kPairDots ? 0 : 16 * D);
+  std::vector<int64_t> key_offset(kKeyChunk + 16);
+  auto q_row = [&](int64_t h, int64_t row) {
+    return q + (token0 + row / group) * q_stride + (h * group + row % group) * D;
+  };
+  auto sees = [&](int64_t row, int64_t key) { return first_pos + row / group >= key; };
+
+  for (int64_t chunk0 = 0; chunk0 < n_keys; chunk0 += kKeyChunk) {
+    const int64_t chunk_keys = std::min(kKeyChunk, n_keys - chunk0);
+    const int64_t padded = (chunk_keys + 15) / 16 * 16;
+    // Where each key's rows start in the cache; the padding repeats the last key, so
+    // that no read goes past the block table (those lanes are masked).
+    for (int64_t j = 0; j < padded + 16; ++j) {
+      const int64_t pos = chunk0 + std::min(j, chunk_keys - 1);
+      key_offset[j] = (table[pos / bs] * bs + pos % bs) * key_stride;
     }
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t base = (table[b] * bs * num_kv_heads + h) * D;
-      for (int64_t j = 0; j < valid_in_block; ++j) {
-        const cache_t* kj = k_cache + base + j * num_kv_heads * D;
-        const cache_t* vj = v_cache + base + j * num_kv_heads * D;
-        for (int64_t c = 0; c < chunks; ++c) {
-          _mm512_storeu_ps(&kf[j * D + 16 * c], load16(kj + 16 * c));
-          _mm512_storeu_ps(&vf[j * D + 16 * c], load16(vj + 16 * c));
+    prefetch_keys(k_cache, key_offset.data(), key_bytes, 0);
+    // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
+    // every row that sees at least one of them.
+    for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
+      prefetch_keys(k_cache, &key_offset[g0 + 16], key_bytes, 0);
+      prefetch_keys(v_cache, &key_offset[g0], key_bytes, 1);  // for step (3)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const cache_t* krows[16];
+        for (int64_t j = 0; j < 16; ++j) krows[j] = k_cache + key_offset[g0 + j] + h * D;
+        if constexpr (!kPairDots) {
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(&kf[j * D + 16 * c], load16(krows[j] + 16 * c));
+        }
+        for (int64_t row = 0; row < rows; ++row) {
+          if (!sees(row, chunk0 + g0)) continue;
+          __m512 sv;
+          if constexpr (kPairDots) sv = dots16<kChunks>(q_row(h, row), krows);
+          else sv = dots16<scalar_t, kChunks>(q_row(h, row), kf.data());
+          _mm512_storeu_ps(&s[(h * rows + row) * kKeyChunk + g0], _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
         }
       }
-      for (int64_t i = 0; i < w.num_queries; ++i) {
-        const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
-        if (n_valid <= 0) continue;
-        for (int64_t r = 0; r < group; ++r) {
-          const int64_t row = i * num_heads + h * group + r;
-          __m512 qv[kMaxChunks];
-          for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(&qf[row * D + 16 * c]);
-          // Scores in groups of 16 keys (the block padded to a multiple of 16): every
-          // row takes the same instructions whatever its number of valid keys.
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j0 = 0; j0 < n_valid; j0 += 16) {
-            __m512 dots[16];
-            for (int64_t j = 0; j < 16; ++j) {
-              const float* kr = &kf[(j0 + j) * D];
-              __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-              for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), dot);
-              dots[j] = dot;
-            }
-            const __mmask16 lanes = static_cast<__mmask16>(
-                n_valid - j0 >= 16 ? 0xFFFF : (1u << (n_valid - j0)) - 1);
-            const __m512 sv = transpose_sum16(dots);
-            _mm512_storeu_ps(&s[j0], sv);
-            block_max = std::max(block_max, _mm512_mask_reduce_max_ps(lanes, sv));
-          }
-          const float m_new = std::max(m[row], block_max);
-          const __m512 m_vec = _mm512_set1_ps(m_new);
-          float sum = 0.0f;
-          for (int64_t j0 = 0; j0 < n_valid; j0 += 16) {
-            const __mmask16 lanes = static_cast<__mmask16>(
-                n_valid - j0 >= 16 ? 0xFFFF : (1u << (n_valid - j0)) - 1);
-            const __m512 p = _mm512_maskz_mov_ps(
-                lanes, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&s[j0]), m_vec)));
-            _mm512_storeu_ps(&s[j0], p);
-            sum += _mm512_reduce_add_ps(p);
-          }
-          const float alpha = _mm512_cvtss_f32(exp16_nonpositive(_mm512_set1_ps(m[row] - m_new)));
-          l[row] = l[row] * alpha + sum;
-          m[row] = m_new;
-          // acc = acc * alpha + sum_j p_j v_j, keys in order; the head_dim chunks are
-          // independent chains, interleaved.
-          float* a = &acc[row * D];
-          __m512 av[kMaxChunks];
-          for (int64_t c = 0; c < chunks; ++c) av[c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), _mm512_set1_ps(alpha));
-          for (int64_t j = 0; j < n_valid; ++j) {
-            const __m512 p = _mm512_set1_ps(s[j]);
-            for (int64_t c = 0; c < chunks; ++c) av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(&vf[j * D + 16 * c]), av[c]);
-          }
-          for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+    }
+    // (2) online softmax, once per row and chunk: p = exp(s - m_new) over the row's
+    // visible keys, exactly 0 elsewhere (so that (3) may run rows of different lengths
+    // together: adding 0 * v changes nothing); acc *= exp(m_old - m_new).
+    for (int64_t hr = 0; hr < all_rows; ++hr) {
+      const int64_t n_valid = std::min(chunk_keys, first_pos + (hr % rows) / group + 1 - chunk0);
+      float* sr = &s[hr * kKeyChunk];
+      if (n_valid <= 0) {
+        std::fill(sr, sr + padded, 0.0f);
+        continue;
+      }
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t g0 = 0; g0 < n_valid; g0 += 16) {
+        const __mmask16 lanes = static_cast<__mmask16>(n_valid - g0 >= 16 ? 0xFFFF : (1u << (n_valid - g0)) - 1);
+        mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(sr + g0));
+      }
+      const float m_new = std::max(m[hr], _mm512_reduce_max_ps(mx));
+      const __m512 m_vec = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t g0 = 0; g0 < padded; g0 += 16) {
+        const int64_t left = n_valid - g0;
+        const __mmask16 lanes = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(lanes, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + g0), m_vec)));
+        _mm512_storeu_ps(sr + g0, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      const float alpha = travelator::exp_approx(m[hr] - m_new);  // ~0 on the first chunk
+      l[hr] = l[hr] * alpha + _mm512_reduce_add_ps(sum);
+      m[hr] = m_new;
+      const __m512 alpha_vec = _mm512_set1_ps(alpha);
+      for (int64_t c = 0; c < kChunks; ++c)
+        _mm512_storeu_ps(&acc[hr * D + 16 * c], _mm512_mul_ps(_mm512_loadu_ps(&acc[hr * D + 16 * c]), alpha_vec));
+    }
+    // (3) acc += p.V, 16 keys at a time, a few rows at a time, each V row converted once
+    // for all of them.
+    for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
+      prefetch_keys(v_cache, &key_offset[g0 + 16], key_bytes, 0);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const cache_t* vrows[16];
+        for (int64_t j = 0; j < 16; ++j) vrows[j] = v_cache + key_offset[g0 + j] + h * D;
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowBatch) {
+          const int64_t nr = std::min(kRowBatch, rows - r0);
+          // Keys of this group seen by the batch's last (latest) row.
+          const int64_t keys = std::min<int64_t>(16, first_pos + (r0 + nr - 1) / group + 1 - (chunk0 + g0));
+          if (keys <= 0) continue;
+          pv_any_rows<cache_t, kChunks>(nr, &acc[(h * rows + r0) * D], &s[(h * rows + r0) * kKeyChunk + g0],
+                                        std::min(keys, chunk_keys - g0), vrows);
         }
       }
     }
   }
-  scalar_t* out0 = out + (query_start[w.request] + w.first_query) * num_heads * D;
-  for (int64_t row = 0; row < rows; ++row) {
-    const float inv = 1.0f / l[row];
-    for (int64_t d = 0; d < D; ++d) out0[row * D + d] = static_cast<scalar_t>(acc[row * D + d] * inv);
+  for (int64_t hr = 0; hr < all_rows; ++hr) {
+    const int64_t h = hr / rows, row = hr % rows;
+    scalar_t* dst = out + ((token0 + row / group) * num_heads + h * group + row % group) * D;
+    const float inv = 1.0f / l[hr];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[hr * D + d] * inv);
   }
 }
 #endif
