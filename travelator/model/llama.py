@@ -159,13 +159,14 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary float32 logits; with tensor parallelism on the driver only
+        """Full-vocabulary logits in the model's dtype (the sampler widens them to float32
+        when it needs more than a greedy pick); with tensor parallelism on the driver only
         (the other ranks send their slice and get None)."""
         logits = self.ops.linear(hidden, self.lm_head_weight)
         if self.tp is None:
-            return logits.float()
+            return logits
         full = self.tp.gather(logits, dim=-1)
-        return None if full is None else full[:, : self.arch.vocab_size].float()
+        return None if full is None else full[:, : self.arch.vocab_size]
 
     # ---- weights --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

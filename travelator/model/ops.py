@@ -91,7 +91,7 @@ class NativeOps(TorchOps):
         return q, k
 
     def argmax(self, x):
-        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
             return x.argmax(dim=-1)
         return self._ops.argmax_rows(x)
 

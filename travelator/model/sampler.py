@@ -39,11 +39,17 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax) -> SamplerOutput:
-    """``logits``: [B, V] float32, one row per request in ``batch``. ``argmax`` gives each
-    row's first largest index (the model's ops may have a faster one than torch's)."""
+    """``logits``: [B, V], one row per request in ``batch``, in any float dtype. ``argmax``
+    gives each row's first largest index (the model's ops may have a faster one than
+    torch's). A batch of plain greedy picks takes the argmax of the logits as they are
+    (widening to float32 is exact, so the pick is the same); everything else is computed
+    in float32."""
     params = batch.params
     b, vocab = logits.shape
     want_logprobs = any(p.logprobs is not None for p in params)
+    if (want_logprobs or not all(p.greedy for p in params) or any(p.uses_penalties for p in params)
+            or any(p.min_tokens for p in params)):
+        logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     if any(p.uses_penalties for p in params):

@@ -199,8 +199,18 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 
 // Index of each row's largest value, as torch.argmax(dim=-1): the first maximum, and the
 // first NaN if a row has one. One pass for the maximum, one for its first position;
-// vectorised on AVX-512 (torch's own arg-reduction is scalar-speed here).
-int64_t argmax_row(const float* x, int64_t n) {
+// vectorised on AVX-512 (torch's own arg-reduction is scalar-speed here). bf16 rows are
+// widened exactly, so their argmax is that of their float32 copy, without making one.
+#if defined(__AVX512F__)
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   bool has_nan = false;
   int64_t i = 0;
@@ -208,7 +218,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   __m512 vmax = _mm512_set1_ps(best);
   __mmask16 nan_lanes = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 v = load16f(x + i);
     nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, v);
   }
@@ -216,35 +226,45 @@ int64_t argmax_row(const float* x, int64_t n) {
   if (!has_nan) best = _mm512_reduce_max_ps(vmax);
 #endif
   for (; i < n; ++i) {
-    has_nan |= x[i] != x[i];
-    best = std::max(best, x[i]);
+    const float v = static_cast<float>(x[i]);
+    has_nan |= v != v;
+    best = std::max(best, v);
   }
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 target = _mm512_set1_ps(best);
   for (; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
+    const __m512 v = load16f(x + j);
     const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                   : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
     if (hit) return j + __builtin_ctz(static_cast<unsigned>(hit));
   }
 #endif
-  for (; j < n; ++j)
-    if (has_nan ? x[j] != x[j] : x[j] == best) return j;
+  for (; j < n; ++j) {
+    const float v = static_cast<float>(x[j]);
+    if (has_nan ? v != v : v == best) return j;
+  }
   return 0;
 }
 
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "argmax_rows: expected a contiguous float32 [B, V] tensor");
-  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
-  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
+template <typename T>
+void argmax_all_rows(const at::Tensor& x, at::Tensor& out) {
+  const T* xp = x.data_ptr<T>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t n = x.size(1);
   at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "argmax_rows: expected a contiguous float32 or bfloat16 [B, V] tensor");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kFloat) argmax_all_rows<float>(x, out);
+  else argmax_all_rows<c10::BFloat16>(x, out);
   return out;
 }
 
