@@ -22,6 +22,9 @@ from travelator import kernels
 from travelator.model.attention import AttentionBackend
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
+# Rows of x up to which bf16 linears use the streaming kernel (kMaxRows in small_m_linear.cpp).
+SMALL_M_ROWS = 2
+
 
 class TorchOps:
     attention_backend: AttentionBackend = "torch"
@@ -62,6 +65,8 @@ class NativeOps(TorchOps):
         self._ops = torch.ops.travelator
         # Parameter -> its oneDNN-packed copy (bf16 weights on the CPU only).
         self._packed: dict[torch.Tensor, torch.Tensor] = {}
+        # Built only where the compiler targets AVX512-BF16.
+        self._small_m_linear = getattr(self._ops, "small_m_linear", None)
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         if not torch.backends.mkldnn.is_available():
@@ -74,6 +79,10 @@ class NativeOps(TorchOps):
         packed = self._packed.get(weight)
         if packed is None:
             return F.linear(x, weight, bias)
+        if (self._small_m_linear is not None and bias is None and x.dim() == 2
+                and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
+            # One or two rows only stream the weights: read in their natural layout.
+            return self._small_m_linear(x.contiguous(), weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def rms_norm(self, x, norm):
