@@ -97,8 +97,14 @@ def test_bfloat16_runs_close_to_reference(checkpoint, kernels):
     path, ref = checkpoint
     llm = LLM(str(path), dtype="bfloat16", kernels=kernels)
     prompt = prompts(1, seed=5, lo=30, hi=30)[0]
-    out = llm.generate([prompt], greedy(1, logprobs=1), use_tqdm=False)[0].outputs[0]
-    ref_lp = reference_logprobs(ref, prompt)[-1]
-    # bfloat16 keeps ~3 significant digits; the top token's log-probability stays close.
-    assert out.logprobs[0].logprob == pytest.approx(float(ref_lp[out.token_ids[0]]), abs=0.15)
-    assert torch.isfinite(torch.tensor(out.logprobs[0].logprob))
+    # A prefill, then decode steps of one request (the native one-row linear kernel).
+    out = llm.generate([prompt], greedy(4, logprobs=1), use_tqdm=False)[0].outputs[0]
+    ref_lp = reference_logprobs(ref, prompt + out.token_ids[:-1])[len(prompt) - 1:]
+    # bfloat16 keeps ~3 significant digits; each token's log-probability stays close.
+    # The reference runs in float32: after a few steps the rounding differences of these
+    # sharp random models reach 0.3-0.4 on either kernel set (and near-ties may flip), so
+    # decode steps get a wider bound; a broken kernel is off by several nats.
+    for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        bound = 0.15 if step == 0 else 0.5
+        assert lp.logprob == pytest.approx(float(ref_lp[step][token]), abs=bound), step
+        assert torch.isfinite(torch.tensor(lp.logprob))
