@@ -33,9 +33,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
+    ap.add_argument("--batch-invariant", action="store_true")
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, kernels=args.kernels,
+              batch_invariant=args.batch_invariant,
               max_num_batched_tokens=max(1024, args.batch), enable_prefix_caching=False)
     engine = llm.engine
     rng = random.Random(0)
@@ -62,7 +64,7 @@ def main() -> None:
     engine.abort_request(ids)
 
     a, b = statistics.median(bare), statistics.median(decode)
-    print(f"{args.model} {args.dtype} kernels={args.kernels}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "
+    print(f"{args.model} {args.dtype} kernels={args.kernels} batch_invariant={args.batch_invariant}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "
           f"decode step of {args.batch} requests x ~{args.context} context {b * 1e3:.1f} ms; "
           f"ratio {b / a:.2f} (target <= 1.5)")
 

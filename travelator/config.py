@@ -80,6 +80,9 @@ class ModelConfig:
         "native: travelator's C++ CPU kernels (paged attention in one call per layer, fused "
         "norms, SiLU and rope, pre-packed bf16 linear layers), built on first use; torch: "
         "plain torch; auto: native on the CPU where they build")] = "auto"
+    batch_invariant: Annotated[bool, Setting(
+        "a request's tokens and logprobs never depend on what else is in its step (linear "
+        "layers in fixed tiles of rows; needs the native CPU kernels)")] = False
 
     def validate(self) -> None:
         _check_choices(self)

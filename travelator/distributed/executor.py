@@ -69,7 +69,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     if env is None and size == 1:
         return ModelRunner(arch, weights, dtype=dtype, kv_dtype=kv_dtype, device=device,
                            max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids,
-                           kernels=model.kernels)
+                           kernels=model.kernels, batch_invariant=model.batch_invariant)
     check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
@@ -78,7 +78,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         run_worker(env)
         raise SystemExit(0)
     spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
-                      max_model_len, seed, eos_token_ids, model.kernels)
+                      max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant)
     return TPExecutor(spec, arch, weights, size, env)
 
 
@@ -166,7 +166,7 @@ class TPExecutor:
         self.runner = ModelRunner(
             arch, weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
             max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
-            kernels=spec.kernels,
+            kernels=spec.kernels, batch_invariant=spec.batch_invariant,
             tp=group,
         )
         self.worker = Worker(self.runner)

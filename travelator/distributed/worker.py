@@ -44,6 +44,7 @@ class WorkerSpec:
     seed: int
     eos_token_ids: frozenset[int]
     kernels: str
+    batch_invariant: bool
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -136,7 +137,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
     runner = ModelRunner(
         source.arch, source.weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
         max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
-        kernels=spec.kernels,
+        kernels=spec.kernels, batch_invariant=spec.batch_invariant,
         tp=group,
     )
     worker = Worker(runner)

@@ -49,9 +49,9 @@ class ModelRunner:
     def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
-                 kernels: str = "auto") -> None:
+                 kernels: str = "auto", batch_invariant: bool = False) -> None:
         self.arch = arch
-        self.ops = make_ops(kernels, device)
+        self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype

@@ -5,10 +5,16 @@ the native kernels do not build. ``NativeOps`` runs the same operations through
 travelator's C++ CPU kernels (fused RMSNorm with the residual add, SiLU * up, rotary in
 place, paged attention in one call per layer, a vectorised argmax for the sampler) and keeps
 bf16 weights pre-packed for oneDNN, so no linear layer reorders its weight at every call
-(about 1.5x faster at the row counts of a decode step).
+(about 1.5x faster at the row counts of a decode step); steps of one or two rows stream the
+natural-layout weights through ``small_m_linear`` instead.
+
+With ``batch_invariant``, ``NativeOps`` makes every row's numbers independent of the other
+rows of the step: the native kernels already compute each row on its own, and linear layers
+always run in tiles of exactly ``INVARIANT_ROWS`` rows (the last one padded), so the GEMM
+library sees one shape and takes one code path whatever the batch (see docs/design.md).
 
 The model holds one of them for its whole life; ``make_ops`` picks it from the
-``kernels`` setting.
+``kernels`` and ``batch_invariant`` settings.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 # Rows of x up to which bf16 linears use the streaming kernel (kMaxRows in small_m_linear.cpp).
 SMALL_M_ROWS = 2
+# Rows of every linear-layer call in batch-invariant mode.
+INVARIANT_ROWS = 64
 
 
 class TorchOps:
@@ -60,13 +68,15 @@ class TorchOps:
 class NativeOps(TorchOps):
     attention_backend: AttentionBackend = "native"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         kernels.load()
+        self.batch_invariant = batch_invariant
         self._ops = torch.ops.travelator
         # Parameter -> its oneDNN-packed copy (bf16 weights on the CPU only).
         self._packed: dict[torch.Tensor, torch.Tensor] = {}
-        # Built only where the compiler targets AVX512-BF16.
-        self._small_m_linear = getattr(self._ops, "small_m_linear", None)
+        # Built only where the compiler targets AVX512-BF16. A second code path chosen by
+        # the row count would make a row's numbers depend on the batch: off when invariant.
+        self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         if not torch.backends.mkldnn.is_available():
@@ -78,12 +88,16 @@ class NativeOps(TorchOps):
     def linear(self, x, weight, bias=None):
         packed = self._packed.get(weight)
         if packed is None:
-            return F.linear(x, weight, bias)
-        if (self._small_m_linear is not None and bias is None and x.dim() == 2
-                and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
+            call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
+        else:
+            call = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # noqa: E731
+        if self.batch_invariant:
+            return _in_fixed_tiles(call, x)
+        if (packed is not None and self._small_m_linear is not None and bias is None
+                and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
             # One or two rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return call(x)
 
     def rms_norm(self, x, norm):
         return self._ops.rms_norm(x, norm.weight, norm.eps)
@@ -105,10 +119,33 @@ class NativeOps(TorchOps):
         return self._ops.argmax_rows(x)
 
 
-def make_ops(kernels_setting: str, device: torch.device) -> TorchOps:
-    """``auto``: the native kernels on the CPU where they build, else torch."""
+def _in_fixed_tiles(call, x: torch.Tensor) -> torch.Tensor:
+    """``call`` on tiles of exactly INVARIANT_ROWS rows of ``x`` (the last one padded with
+    zeros): the library always sees the same shape, so it takes the same code path and
+    reduction order for every row, whatever the number of rows."""
+    rows = x.shape[0]
+    padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, *x.shape[1:])])
+    tiles = [call(x[i:i + INVARIANT_ROWS]) for i in range(0, padded, INVARIANT_ROWS)]
+    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+    return out[:rows]
+
+
+def make_ops(kernels_setting: str, device: torch.device, batch_invariant: bool = False) -> TorchOps:
+    """``auto``: the native kernels on the CPU where they build, else torch. The
+    batch-invariant mode needs the native kernels (the torch path's attention and GEMMs
+    change their reduction order with the batch)."""
     if kernels_setting not in ("auto", "native", "torch"):
         raise ValueError(f"unknown kernels {kernels_setting!r}; use auto, native or torch")
+    if batch_invariant:
+        if kernels_setting == "torch" or device.type != "cpu":
+            raise ValueError("batch_invariant needs the native CPU kernels (kernels='native' or "
+                             "'auto' on a CPU)")
+        if not kernels.available():
+            raise ValueError("batch_invariant needs the native CPU kernels, which do not build "
+                             "here (see the warning above)")
+        return NativeOps(batch_invariant=True)
     if kernels_setting == "torch" or (kernels_setting == "auto" and device.type != "cpu"):
         return TorchOps()
     if device.type != "cpu":
