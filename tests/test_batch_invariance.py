@@ -172,3 +172,18 @@ def test_stories260k_sampled_text_is_the_same_alone_and_in_any_batch():
             ref = alone_outs[i % len(prompts)]
             assert out.outputs[0].token_ids == ref.token_ids, (kw, i)
             assert [lp.logprob for lp in out.outputs[0].logprobs] == [lp.logprob for lp in ref.logprobs]
+
+
+def test_tensor_parallel_two_ranks_is_invariant_too():
+    """TP=2 (the all-reduce in rank order): each request alone on the engine, then all of
+    them together, bitwise the same."""
+    reqs = mixed_batch(2)
+    llm = LLM(MODEL, dtype="float32", batch_invariant=True, tensor_parallel_size=2,
+              enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=100)
+    try:
+        alone_results = [run(llm, [Req(0, r.prompt, r.max_tokens, r.seed)])[0] for r in reqs]
+        batched = run(llm, reqs)
+    finally:
+        llm.shutdown()
+    for i in range(len(reqs)):
+        assert batched[i] == alone_results[i], i

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_models import build_checkpoint, load_reference, reference_greedy
 from staggered import greedy, run_staggered
@@ -200,3 +201,40 @@ def test_no_orphan_workers(how, tmp_path):
             proc.wait()
         if pid is not None and not _gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_fixed_order_all_reduce_sums_in_rank_order():
+    """Three ranks in threads of this process: with ``fixed_order_sums`` every element is
+    (p0 + p1) + p2 bitwise, whatever the buffer's size (a ring all-reduce's order depends on
+    the size, which is what the batch-invariant mode must avoid)."""
+    import torch.distributed as dist
+
+    from travelator.distributed.comm import TPGroup
+
+    store = dist.HashStore()
+    size = 3
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 7, 64, 1000, 4099]
+    inputs = [[(torch.randn(n, generator=g) * 1e3).to(torch.bfloat16) for n in lengths] for _ in range(size)]
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            group = TPGroup(store, rank, size)
+            group.connect_data(torch.device("cpu"))
+            group.fixed_order_sums = True
+            results[rank] = [group.all_reduce(x.clone()) for x in inputs[rank]]
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for i in range(len(lengths)):
+        want = (inputs[0][i] + inputs[1][i]) + inputs[2][i]
+        for rank in range(size):
+            assert torch.equal(results[rank][i], want), (rank, lengths[i])

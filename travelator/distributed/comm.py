@@ -69,6 +69,8 @@ class TPGroup:
         self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl/", store), rank, size, _CTRL_TIMEOUT)
         self.data: Any = None
         self.device = torch.device("cpu")
+        # Batch-invariant mode: sum the ranks' parts in rank order (see all_reduce).
+        self.fixed_order_sums = False
 
     def connect_data(self, device: torch.device) -> None:
         """Build the data group for ``device`` (collective: every rank calls it)."""
@@ -85,8 +87,18 @@ class TPGroup:
 
     # ---- tensors (inside the model) -----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place."""
-        self.data.allreduce([x]).wait()
+        """Sum ``x`` over the ranks, in place. With ``fixed_order_sums`` every element is
+        summed rank 0 + 1 + 2 ... in that order: a ring all-reduce starts each element's sum
+        at a rank that depends on where the element falls in the buffer, so (from three
+        ranks on) on the number of tokens in the step."""
+        if not self.fixed_order_sums:
+            self.data.allreduce([x]).wait()
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.data.allgather([parts], [x.contiguous()]).wait()
+        x.copy_(parts[0])
+        for part in parts[1:]:
+            x.add_(part)
         return x
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

@@ -58,6 +58,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         # Tensor parallelism: this rank's shard of the weights and of the KV heads.
         self.tp_size = tp.size if tp is not None else 1
+        if tp is not None and batch_invariant:
+            tp.fixed_order_sums = True
         model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp, ops=self.ops)
         if weights is None:
             model.init_dummy_weights(seed)
