@@ -375,6 +375,16 @@ BAD_REQUESTS = [
     ("chat no messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, None, 400, "messages", None),
     ("chat bad message", "/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, None, 400,
      "messages.0.role", None),
+    ("string max_tokens", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": "5"}, None, 400,
+     "max_tokens", None),
+    ("decimal max_tokens", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 5.0}, None, 400,
+     "max_tokens", None),
+    ("string stream", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": "yes"}, None, 400,
+     "stream", None),
+    ("chat unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+     None, 400, "messages.0.role", None),
+    ("chat null user content", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": None}]}, None, 400, "messages.0.content", None),
     ("chat unknown model", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "x"}]},
      None, 404, "model", "model_not_found"),
     ("chat over-long", "/v1/chat/completions",
@@ -456,3 +466,105 @@ def test_health_and_requests_when_the_engine_is_dead(offline):
     r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     assert c.get("/v1/models").status_code == 200
+
+
+# ---------------------------------------------------------------------------- what real clients need
+
+
+def test_tokenize_detokenize_and_version(server, http):
+    # The ids the model's README gives for this prompt (checked there against llama.cpp).
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 5, "max_model_len": server.engine.max_model_len,
+                        "tokens": [1, 403, 407, 261, 378], "token_strs": None}
+    r = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True})
+    assert r.json()["tokens"] == [403, 407, 261, 378]
+    assert r.json()["token_strs"] == ["▁Once", "▁upon", "▁a", "▁time"]
+    assert http.post("/detokenize", json={"tokens": [403, 407, 261, 378]}).json() == {"prompt": PROMPT}
+    # A chat body counts what /v1/chat/completions feeds the engine.
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    r = http.post("/tokenize", json={"model": MODEL, "messages": messages})
+    chat = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    assert r.json()["tokens"] == server.tokenizer.encode_chat(messages)
+    # Bad input: the OpenAI error shape, with the parameter named.
+    r = http.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = http.post("/tokenize", json={"prompt": PROMPT, "model": "nope"})
+    assert r.status_code == 404
+    assert http.post("/tokenize", json={"text": PROMPT}).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).status_code == 401  # no key
+    r = http.get("/version")
+    assert r.status_code == 200 and r.json()["version"] == "0.1.0"
+
+
+def test_cors_only_when_origins_are_given(offline):
+    from fastapi.testclient import TestClient
+
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    closed = TestClient(build_app(AsyncEngine(offline.engine), ServerSettings(served_model_names=[MODEL])))
+    r = closed.options("/v1/completions", headers=preflight)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    opened = TestClient(build_app(AsyncEngine(offline.engine), ServerSettings(
+        served_model_names=[MODEL], api_key=API_KEY, allowed_origins=["https://ui.example"])))
+    r = opened.options("/v1/completions", headers=preflight)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = opened.get("/v1/models", headers={"Origin": "https://ui.example", "Authorization": f"Bearer {API_KEY}"})
+    assert r.headers["access-control-allow-origin"] == "https://ui.example"
+    r = opened.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_the_waiting_queue_is_unbounded_unless_set():
+    assert ServerSettings().max_waiting is None
+    ServerSettings(max_waiting=None).validate()
+    with pytest.raises(ValueError, match="max_waiting"):
+        ServerSettings(max_waiting=0).validate()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streams_send_one_chunk_per_token(server, http, path):
+    """Clients that count chunks as tokens (guidellm, aiperf) need a chunk for every token,
+    even one whose text the detokenizer holds back (a newline here, or a partial character)."""
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    token_chunks, usage, text = 0, None, ""
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event["choices"]:
+                if "text" in choice:  # completions: every chunk carries a token step
+                    piece = choice["text"]
+                else:  # chat: not the role chunk, not the finish chunk (an empty delta)
+                    delta = choice["delta"]
+                    piece = delta.get("content") if "role" not in delta else None
+                if piece is not None:
+                    token_chunks += 1
+                    text += piece
+    assert usage["completion_tokens"] == 64
+    assert token_chunks == 64
+    assert "\n" in text  # the case that used to lose a chunk
+
+
+def test_accepted_forms_stay_accepted(http):
+    """Strict types still take what OpenAI takes: an integer for a float, an assistant turn
+    with null content, more than OpenAI's 4 stop strings (an extension, as vLLM)."""
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                           "top_p": 1, "stop": ["a", "b", "c", "d", "e", "f"]})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 3, "messages": [
+        {"role": "system", "content": "Tell stories."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None}, {"role": "developer", "content": [{"type": "text", "text": "Go"}]}]})
+    assert r.status_code == 200, r.text

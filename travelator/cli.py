@@ -41,7 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [model],
         api_key=args.api_key if args.api_key is not None else os.environ.get("TRAVELATOR_API_KEY"),
         max_waiting=args.max_waiting, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.shutdown_grace,
+        shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
     )
     if args.enable_debug_endpoints:
         settings.enable_debug_endpoints = True
@@ -82,14 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on /v1 (default: $TRAVELATOR_API_KEY)")
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="model names clients may ask for (default: the --model value)")
-    srv.add_argument("--max-waiting", type=int, default=256,
-                     help="requests allowed to wait for the engine; past it 503 (default 256)")
+    srv.add_argument("--max-waiting", type=int, default=None,
+                     help="requests allowed to wait for the engine; past it 503 (default: no limit)")
     srv.add_argument("--max-n", type=int, default=16, help="most choices per prompt (default 16)")
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20,
                      help="largest request body; past it 413 (default 4 MiB)")
     srv.add_argument("--shutdown-grace", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    srv.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                     help="CORS: origins browsers may call from, e.g. https://ui.example or '*' "
+                          "(default: none, no CORS headers)")
+    srv.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD",
+                     help="CORS: allowed methods when some origin is allowed (default: *)")
+    srv.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
+                     help="CORS: allowed request headers when some origin is allowed (default: *)")
     srv.add_argument("--enable-debug-endpoints", action="store_true",
                      help="serve GET /debug/engine (block pool and request accounting); "
                           "also TRAVELATOR_DEBUG_ENDPOINTS=1")

@@ -29,6 +29,7 @@ import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
@@ -51,6 +52,15 @@ from travelator.server.protocol import (
 )
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
+from travelator.server.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    server_version,
+    tokenize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +120,9 @@ def _body_schema(request_model: type[BaseModel], response_model: type[BaseModel]
 
 
 def _install_openapi(app: FastAPI) -> None:
-    models = [CompletionRequest, ChatCompletionRequest]
-    outputs = [CompletionResponse, ChatCompletionResponse, ErrorResponse]
+    models = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    outputs = [CompletionResponse, ChatCompletionResponse, TokenizeResponse, DetokenizeResponse,
+               ErrorResponse]
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -157,11 +168,38 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.state.metrics = metrics
     app.state.settings = settings
     install_error_handlers(app)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods,
+                           allow_headers=settings.allowed_headers)
     _install_openapi(app)
     require_api_key = _api_key_check(settings)
     app.include_router(_v1_routes(serving, require_api_key))
+    app.include_router(_tokenizer_routes(serving, require_api_key))
     _add_operator_routes(app, serving, require_api_key)
     return app
+
+
+def _tokenizer_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
+    """vLLM's /tokenize, /detokenize and /version (outside /v1, as vLLM serves them)."""
+    limit = serving.settings.max_body_bytes
+    router = APIRouter(dependencies=[Depends(require_api_key)])
+
+    @router.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest, TokenizeResponse))
+    async def tokenize_route(request: Request) -> Response:
+        req = await read_body(request, TokenizeRequest, limit)
+        return JSONResponse(tokenize(serving, req.root).model_dump())
+
+    @router.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest, DetokenizeResponse))
+    async def detokenize_route(request: Request) -> Response:
+        req = await read_body(request, DetokenizeRequest, limit)
+        return JSONResponse(detokenize(serving, req).model_dump())
+
+    @router.get("/version")
+    async def version_route() -> Response:
+        return JSONResponse({"version": server_version()})
+
+    return router
 
 
 def _api_key_check(settings: ServerSettings):

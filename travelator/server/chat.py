@@ -21,6 +21,7 @@ from travelator.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatTokenLogprob,
     DeltaMessage,
     Usage,
@@ -59,8 +60,19 @@ def _prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> EnginePrompt:
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise APIError(400, f"response_format {fmt!r} is not supported", param="response_format")
+    text = render_messages(serving, req.messages, req.add_generation_prompt)
+    ids = serving.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, "the messages render to an empty prompt", param="messages")
+    return EnginePrompt(text, ids)
+
+
+def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
+                    add_generation_prompt: bool) -> str:
+    """The prompt text of ``chat_messages`` through the model's chat template (also what
+    ``POST /tokenize`` encodes for a chat body)."""
     messages = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(chat_messages):
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -75,13 +87,9 @@ def _prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> EnginePrompt:
             msg["name"] = m.name
         messages.append(msg)
     try:
-        text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        return serving.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except jinja2.TemplateError as exc:
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
-    ids = serving.tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise APIError(400, "the messages render to an empty prompt", param="messages")
-    return EnginePrompt(text, ids)
 
 
 def _start(serving: OpenAIServing, req: ChatCompletionRequest) -> ChatRun:
@@ -133,7 +141,7 @@ async def _stream(run: ChatRun) -> AsyncIterator[str]:
     finals: list[RequestOutput | None] = [None] * run.n
     async for i, out in run.gen.outputs():
         lp = run.logprobs(i, out)
-        if out.new_text or lp:
+        if out.new_token_ids or out.new_text or lp:  # one chunk per token step, as vLLM
             yield run.chunk([ChatChunkChoice(
                 index=i, delta=DeltaMessage(content=out.new_text),
                 logprobs=ChatLogprobs(content=lp) if lp is not None else None)])

@@ -135,8 +135,8 @@ async def _stream(run: CompletionRun) -> AsyncIterator[str]:
         lp = builders[i].add(out.new_logprobs) if builders else None
         if out.finished:
             finals[i] = out
-        elif not out.new_text and not (lp and lp.tokens):
-            continue
+        elif not out.new_token_ids and not out.new_text and not (lp and lp.tokens):
+            continue  # one chunk per token step, with "" while the detokenizer holds text back
         yield chunk(i, out.new_text, lp, out)
     if run.include_usage:
         yield sse(run.response([], usage(run.prompts, finals, run.n)))

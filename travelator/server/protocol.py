@@ -13,7 +13,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 # JSON integers the engine can take as a seed.
 _INT64 = Field(default=None, ge=-(2**63), le=2**64 - 1)
@@ -45,13 +54,17 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields both endpoints share. ``None`` means the OpenAI default."""
+    """Fields both endpoints share. ``None`` means the OpenAI default. Strict types, as
+    OpenAI's API: ``"max_tokens": "5"`` or ``5.0`` is a 400 naming the field, not a 5 (an
+    integer is still a float where a float is asked for)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -99,12 +112,23 @@ class TextContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
-    role: str
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content, info: ValidationInfo):
+        # OpenAI allows a null content only on an assistant message (one that called tools).
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content: a string or a list of parts")
+        return content
 
 
 class ChatCompletionRequest(SamplingFields):

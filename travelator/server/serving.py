@@ -82,10 +82,11 @@ class OpenAIServing:
         # In flight but not running = waiting (or just handed over and about to be scheduled).
         waiting = max(0, self.async_engine.num_in_flight - self.engine.num_running)
         limit = self.settings.max_waiting
-        if waiting >= limit:
+        if limit is not None and waiting >= limit:
             self.metrics.rejected("queue_full")
             raise APIError(503, f"the server is overloaded: {waiting} requests are already waiting "
-                                f"(limit {limit}, --max-waiting); retry later",
+                                f"(limit {limit}); retry later, or start the server with a larger "
+                                f"--max-waiting (or without it: no limit)",
                            code="queue_full", headers={"Retry-After": "1"})
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None,

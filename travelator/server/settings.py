@@ -21,8 +21,9 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)
     # Bearer token required on /v1/*; None: no authentication.
     api_key: str | None = None
-    # Past this many requests waiting for the engine, new ones get 503.
-    max_waiting: int = 256
+    # Past this many requests waiting for the engine, new ones get 503. None: no limit (as
+    # vLLM): benchmark clients open hundreds of streams at once and expect them queued.
+    max_waiting: int | None = None
     # Most choices per prompt (n), and most prompts x n in one request.
     max_n: int = 16
     max_choices_per_request: int = 256
@@ -37,9 +38,15 @@ class ServerSettings:
     # A step running longer than this makes /health answer 503 and the server exit non-zero
     # (the loop is stuck). None: never. Environment: TRAVELATOR_STEP_TIMEOUT_S.
     step_timeout_s: float | None = field(default_factory=lambda: _env_float("TRAVELATOR_STEP_TIMEOUT_S"))
+    # CORS, for browser clients: origins allowed to call the server (e.g. "https://ui.example"
+    # or "*"). Empty: no CORS headers at all, so nothing is opened by accident. The methods
+    # and headers apply only when some origin is allowed.
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
 
     def validate(self) -> None:
-        if self.max_waiting < 1:
+        if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {self.max_waiting}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
