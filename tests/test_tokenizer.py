@@ -297,3 +297,31 @@ def test_byte_level_small_vocab() -> None:
     assert tok.decode(list(range(64)))
     with pytest.raises(ValueError):
         Tokenizer.byte_level(2)
+
+
+@needs_stories
+def test_exported_tokenizer_loads_in_transformers_and_encodes_the_same(tmp_path: Path, auto_tokenizer) -> None:
+    """`travelator export-tokenizer` on the GGUF: transformers' AutoTokenizer reads the
+    directory and gives the server's ids, text and chat prompts (the README's ids included)."""
+    from travelator.cli import main
+    from travelator.model.loader import open_model
+
+    out = tmp_path / "tok"
+    assert main(["export-tokenizer", str(STORIES), str(out)]) == 0
+    ref = auto_tokenizer.from_pretrained(str(out))
+    ours = open_model(str(STORIES)).tokenizer
+    assert ref.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    rng = random.Random(5)
+    texts = ["", " ", "Hello\nworld\t!", "naïve café 🙂", "  two  spaces", "Lily saw a big, red ball."]
+    texts += ["".join(rng.choice("ab cdé\n🙂xyz.") for _ in range(rng.randint(1, 30))) for _ in range(40)]
+    for text in texts:
+        assert ref.encode(text) == ours.encode(text), text
+        assert ref.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False), text
+        ids = ours.encode(text)
+        assert ref.decode(ids, skip_special_tokens=True) == ours.decode(ids), text
+    messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me a story"}]
+    for gen in (True, False):
+        assert ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == \
+            ours.apply_chat_template(messages, add_generation_prompt=gen)
+        assert ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=False) == \
+            ours.encode_chat(messages, add_generation_prompt=gen)

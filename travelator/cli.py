@@ -58,6 +58,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       access_log=args.access_log)
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    from travelator.model.loader import open_model
+
+    source = open_model(args.model)
+    source.tokenizer.save_pretrained(args.directory, model_max_length=source.arch.max_position_embeddings)
+    print(f"wrote {args.directory}/tokenizer.json and tokenizer_config.json: "
+          f"transformers.AutoTokenizer.from_pretrained({str(args.directory)!r}) loads it", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="travelator", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -105,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds after which a step that has not returned marks the engine stuck "
                           "(503 on /health, server exits 1); also TRAVELATOR_STEP_TIMEOUT_S")
     srv.set_defaults(func=cmd_serve)
+
+    exp = sub.add_parser("export-tokenizer",
+                         help="write the model's tokenizer as a directory transformers loads")
+    exp.add_argument("model", help="HF-layout directory or .gguf file")
+    exp.add_argument("directory", help="where to write tokenizer.json and tokenizer_config.json")
+    exp.set_defaults(func=cmd_export_tokenizer)
 
     add_bench_parser(sub)
     return parser

@@ -273,6 +273,35 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, **template_vars)
         return self.encode(text, add_special_tokens=False)
 
+    def save_pretrained(self, path: str | Path, model_max_length: int | None = None) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` (with the chat template in use)
+        so that `transformers.AutoTokenizer.from_pretrained(path)` encodes, decodes and renders
+        chats exactly as this tokenizer does: what benchmark clients and evaluation harnesses
+        load when the model came from a GGUF file or has no hub id."""
+        if self._encode_limit is not None:
+            raise ValueError(f"the model's vocabulary ({self.vocab_size}) is smaller than its tokenizer's "
+                             f"({self._tk.get_vocab_size(with_added_tokens=True)}): an exported tokenizer "
+                             "would not encode as the server does")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tk.save(str(path / "tokenizer.json"))
+        # transformers passes bos_token/eos_token to the template itself; the other variables
+        # this tokenizer renders with are fixed into the template.
+        fixed = {"add_bos_token": self.add_bos_token, **self._template_vars}
+        prelude = "".join(f"{{%- set {k} = {json.dumps(v)} -%}}" for k, v in fixed.items())
+        source = self.chat_template if self.chat_template is not None else FALLBACK_CHAT_TEMPLATE
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": prelude + source,
+        }
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                    encoding="utf-8")
+
     # ------------------------------------------------------------------ helpers
 
     @property
