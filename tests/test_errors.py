@@ -52,8 +52,9 @@ def test_bad_token_ids(llm):
     still_works(llm)
 
 
-@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1},
-                                {"top_p": 0}, {"n": 0}, {"logprobs": 50}])
+@pytest.mark.parametrize("kw", [{"max_tokens": -1}, {"max_tokens": -3}, {"temperature": -1},
+                                {"top_p": 0}, {"n": 0}, {"logprobs": 50}, {"prompt_logprobs": 21},
+                                {"prompt_logprobs": -1}])
 def test_bad_sampling_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)

@@ -11,7 +11,7 @@ import torch
 
 from hf_models import build_checkpoint, load_reference, reference_greedy, reference_logprobs
 from staggered import greedy, run_staggered
-from travelator import LLM
+from travelator import LLM, SamplingParams
 
 FAMILIES = {
     "llama": {},
@@ -108,3 +108,30 @@ def test_bfloat16_runs_close_to_reference(checkpoint, kernels):
         bound = 0.15 if step == 0 else 0.5
         assert lp.logprob == pytest.approx(float(ref_lp[step][token]), abs=bound), step
         assert torch.isfinite(torch.tensor(lp.logprob))
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_prompt_logprobs_match(checkpoint, kernels):
+    """Prompt logprobs (teacher-forced: each prompt token under the prompt before it) against
+    transformers' log-softmax, with prompts chunked in 7-token steps, a pool small enough to
+    preempt, and a shared prefix that must not come from the prefix cache (no logits there)."""
+    path, ref = checkpoint
+    llm = LLM(str(path), dtype="float32", kernels=kernels, max_num_batched_tokens=7, block_size=8,
+              num_kv_blocks=10)
+    ps = prompts(4, seed=9, lo=20, hi=40)
+    ps.append(ps[0] + [5, 6, 7])  # shares its prefix with the first prompt
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, prompt_logprobs=3)
+              for m in (0, 12, 20, 1, 16)]
+    results = llm.generate(ps, params, use_tqdm=False)
+    for prompt, res, p in zip(ps, results, params):
+        want = reference_logprobs(ref, prompt)
+        assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(prompt)
+        assert len(res.outputs[0].token_ids) == p.max_tokens
+        for i, entry in enumerate(res.prompt_logprobs[1:], start=1):
+            assert entry.token_id == prompt[i]
+            assert entry.logprob == pytest.approx(float(want[i - 1][prompt[i]]), abs=5e-4)
+            top = torch.topk(want[i - 1], 3)
+            assert list(entry.top_logprobs) == top.indices.tolist()
+            assert list(entry.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=5e-4)
+    assert llm.engine.counters.preemptions > 0
+    assert llm.engine.kv.stats.hit_tokens == 0

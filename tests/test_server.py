@@ -214,7 +214,7 @@ def test_completion_logprobs_and_echo(server, client):
     n_prompt = len(server.tokenizer.encode(PROMPT))
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 10
     assert "".join(lp.tokens) == c.text
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt  # prompt logprobs are not computed
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:n_prompt])  # prompt scored
     assert all(x <= 0 for x in lp.token_logprobs[n_prompt:])
     for tok, top, logprob in zip(lp.tokens[n_prompt:], lp.top_logprobs[n_prompt:], lp.token_logprobs[n_prompt:]):
         assert 1 <= len(top) <= 3 and top[tok] == logprob  # greedy: the sampled token is the best
@@ -568,3 +568,39 @@ def test_accepted_forms_stay_accepted(http):
         {"role": "system", "content": "Tell stories."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": None}, {"role": "developer", "content": [{"type": "text", "text": "Go"}]}]})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt(server, http, offline, max_tokens, stream):
+    """What lm-evaluation-harness's loglikelihood sends: echo, logprobs 1, max_tokens 0 or 1.
+    The prompt's token logprobs equal the offline engine's prompt logprobs; the first is null."""
+    text = "Once upon a time there was a little dog"
+    ids = offline.engine.tokenizer.encode(text)
+    ref = offline.generate([text], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)[0]
+    body = {"model": MODEL, "prompt": text, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+    if not stream:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp, full_text = choice["logprobs"], choice["text"]
+    else:
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        full_text = ""
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    full_text += c["text"]
+                    for k in lp:
+                        lp[k] += c["logprobs"][k]
+    assert full_text.startswith(text)
+    assert len(lp["token_logprobs"]) == len(ids) + max_tokens
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for k in range(1, len(ids)):
+        assert lp["token_logprobs"][k] == pytest.approx(ref.prompt_logprobs[k].logprob, abs=1e-5)
+        # the harness's greedy check: is the token the top alternative?
+        assert max(lp["top_logprobs"][k].values()) >= lp["token_logprobs"][k]
+    assert "".join(lp["tokens"][:len(ids)]) == offline.engine.tokenizer.decode(ids)

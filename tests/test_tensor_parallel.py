@@ -238,3 +238,22 @@ def test_fixed_order_all_reduce_sums_in_rank_order():
         want = (inputs[0][i] + inputs[1][i]) + inputs[2][i]
         for rank in range(size):
             assert torch.equal(results[rank][i], want), (rank, lengths[i])
+
+
+def test_prompt_logprobs_under_tensor_parallelism():
+    """Every rank takes part in the prompt rows' LM-head gathers; the driver's numbers match
+    one rank's."""
+    from travelator import SamplingParams
+
+    prompt = [1] + [random.Random(4).randrange(3, 1000) for _ in range(30)]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    one = LLM("dummy:tiny", dtype="float32", max_num_batched_tokens=8).generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM("dummy:tiny", dtype="float32", max_num_batched_tokens=8, tensor_parallel_size=2)
+    try:
+        two = llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+        assert list(a.top_logprobs) == list(b.top_logprobs)

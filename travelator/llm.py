@@ -40,6 +40,8 @@ class GenerationResult:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[Completion]  # n of them
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -107,6 +109,8 @@ class LLM:
                 if out.finished:
                     i, j = ids[out.request_id]
                     results[i].outputs[j] = _completion(j, out, logprobs[out.request_id], params[i])
+                    if j == 0:
+                        results[i].prompt_logprobs = out.prompt_logprobs
                     remaining.discard(out.request_id)
                     bar.update(1)
         bar.close()

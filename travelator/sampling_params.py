@@ -34,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return per sampled token
+    # Log-probability of every prompt token after the first, with this many top alternatives
+    # (0: the token's own only); None: not computed. Prompts asking for it skip the prefix
+    # cache (a cached prefix has no logits), and only their rows pay for the LM head.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -66,8 +70,9 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
                 "frequency_penalty")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}",
+        # 0: compute the prompt only (its prompt_logprobs, for scoring), generate nothing.
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be non-negative, got {self.max_tokens}",
                                       "max_tokens")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be non-negative, got {self.min_tokens}",
@@ -76,6 +81,9 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens must not exceed max_tokens", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+                                      "prompt_logprobs")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
 

@@ -82,6 +82,7 @@ class Worker:
         hidden = r.model(inputs.input_ids, inputs.positions, r.kv_caches, inputs.meta)
         if inputs.sampled_ids:  # this rank's vocabulary slice of the logits goes to the driver
             r.model.compute_logits(hidden[inputs.logits_indices])
+        r.compute_prompt_logprobs(hidden, inputs)  # the same gathers, in the same order
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size)

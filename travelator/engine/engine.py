@@ -266,7 +266,8 @@ class LLMEngine:
             return self._fail_step(list(out.num_scheduled_tokens), exc)
         t_update = time.perf_counter()
         updated = self.scheduler.update_from_output(out, result)
-        outputs = [self._token_output(req, tok) for req, tok in updated]
+        outputs = [self._token_output(req, tok) if tok is not None else self._finish_output(req)
+                   for req, tok in updated]
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, time.perf_counter() - t0)
         return outputs
@@ -327,7 +328,17 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_prompt_tokens,
             num_preemptions=req.num_preemptions,
             times=req.times,
+            prompt_logprobs=self._prompt_logprobs(req),
         )
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
+        """One entry per prompt token (None for the first, which nothing predicts), once the
+        whole prompt has been computed; None when not asked for or not complete yet."""
+        if req.sampling_params.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
+            return None
+        return [None] + [TokenLogprob(t, lp, top) for t, (lp, top) in
+                         zip(req.prompt_token_ids[1:], req.prompt_logprobs)]
 
     def _fail_step(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)

@@ -102,9 +102,10 @@ class KVCacheManager:
         """Leading blocks of a request that holds none yet, already in the cache.
 
         At least one token is always left to compute (docs/design.md invariant 6), so the last
-        token's logits can be sampled.
+        token's logits can be sampled. A request that wants its prompt's logprobs gets no hit:
+        a cached block has keys and values but no logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         for key in self.block_keys(req):

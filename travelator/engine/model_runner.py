@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from travelator.distributed.comm import TPGroup
-from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
+from travelator.engine.scheduler_output import PromptLogprobs, RunnerOutput, SampledToken, SchedulerOutput
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata
 from travelator.model.llama import LlamaModel
@@ -43,6 +43,11 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled_ids: list[str]  # request ids in logits_indices order
+    # Prompt logprobs: the rows whose logits predict a prompt token, those tokens, and per
+    # request (id, index of its first predicted prompt token, count, top alternatives).
+    prompt_rows: list[int]
+    prompt_targets: list[int]
+    prompt_spans: list[tuple[str, int, int, int]]
 
 
 class ModelRunner:
@@ -105,11 +110,12 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sampled_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs)
         t2 = time.perf_counter()
         self.phase_times["prepare"] += t1 - t0
         self.phase_times["forward"] += t2 - t1
         if not inputs.sampled_ids:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
         states = [self.states[rid] for rid in inputs.sampled_ids]
         batch = SamplingBatch(
             params=[s.sampling_params for s in states],
@@ -129,7 +135,42 @@ class ModelRunner:
                 result.top_logprobs[row] if result.top_logprobs is not None else None,
             )
         self.phase_times["sample"] += time.perf_counter() - t2
-        return RunnerOutput(sampled)
+        return RunnerOutput(sampled, prompt_logprobs)
+
+    # Rows of prompt logits computed at once: [rows, vocab] float32 stays small.
+    PROMPT_LOGITS_ROWS = 256
+
+    def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, PromptLogprobs]:
+        """The log-probability of each prompt token the step's rows predict, and its top
+        alternatives. With tensor parallelism every rank runs this (the LM head's gather is
+        collective); only the driver gets numbers back."""
+        if not inputs.prompt_rows:
+            return {}
+        rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)
+        targets = torch.tensor(inputs.prompt_targets, dtype=torch.long, device=hidden.device)
+        top_n = max(span[3] for span in inputs.prompt_spans)
+        chosen, top_vals, top_ids = [], [], []
+        for i in range(0, len(rows), self.PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[rows[i:i + self.PROMPT_LOGITS_ROWS]])
+            if logits is None:  # a tensor-parallel worker: its slice went to the driver
+                continue
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            chosen.append(logprobs.gather(1, targets[i:i + self.PROMPT_LOGITS_ROWS, None]).squeeze(1))
+            if top_n:
+                vals, ids = logprobs.topk(top_n, dim=-1)
+                top_vals.append(vals)
+                top_ids.append(ids)
+        if not chosen:
+            return {}
+        lp = torch.cat(chosen).tolist()
+        vals = torch.cat(top_vals).tolist() if top_n else None
+        ids = torch.cat(top_ids).tolist() if top_n else None
+        result, row = {}, 0
+        for rid, first, count, n in inputs.prompt_spans:
+            tops = [dict(zip(ids[r][:n], vals[r][:n])) if n else {} for r in range(row, row + count)]
+            result[rid] = PromptLogprobs(first, lp[row:row + count], tops)
+            row += count
+        return result
 
     def _apply_changes(self, out: SchedulerOutput) -> None:
         for rid in out.freed_request_ids:
@@ -159,6 +200,9 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sampled_ids: list[str] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
@@ -179,6 +223,13 @@ class ModelRunner:
             if end == len(s.token_ids):  # reached the end: sample (docs/design.md invariant 5)
                 logits_indices.append(offset + n - 1)
                 sampled_ids.append(rid)
+            want = s.sampling_params.prompt_logprobs
+            # Position p's logits predict token p + 1: prompt tokens 1 .. num_prompt_tokens - 1.
+            last = min(end, s.num_prompt_tokens - 1)
+            if want is not None and last > start:
+                prompt_rows.extend(range(offset, offset + last - start))
+                prompt_targets.extend(s.token_ids[start + 1:last + 1])
+                prompt_spans.append((rid, start + 1, last - start, want))
             offset += n
 
         dev = self.device
@@ -191,4 +242,7 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampled_ids=sampled_ids,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
+            prompt_spans=prompt_spans,
         )

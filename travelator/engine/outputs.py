@@ -29,4 +29,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     times: RequestTimes | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None

@@ -215,10 +215,11 @@ class SchedulerBase:
 
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput
-    ) -> list[tuple[Request, SampledToken]]:
+    ) -> list[tuple[Request, SampledToken | None]]:
         """Advance every scheduled request; append sampled tokens; finish those that stop.
 
-        Returns each scheduled request that got a new token, with that token.
+        Returns each scheduled request that got a new token, with that token, and each one
+        that finished its prompt with ``max_tokens=0`` (prompt only), with None.
         """
         now = time.monotonic()
         updated = []
@@ -228,11 +229,21 @@ class SchedulerBase:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
+            if (plp := result.prompt_logprobs.get(rid)) is not None:
+                req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs)
             tok = result.sampled.get(rid)
             if tok is None:
                 continue  # a prompt chunk that does not reach the end of the prompt
             req.resumed_without_progress = False
             assert req.num_computed_tokens == req.num_tokens
+            if req.max_tokens == 0:  # the prompt was all it asked for: drop the sample
+                req.status = RequestStatus.FINISHED_LENGTH
+                if req.times.first_token is None:
+                    req.times.first_token = req.times.last_token = now
+                self.running.remove(req)
+                self._release(req)
+                updated.append((req, None))
+                continue
             req.append_output_token(tok.token_id)
             if req.times.first_token is None:
                 req.times.first_token = now

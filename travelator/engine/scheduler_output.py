@@ -59,9 +59,21 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens ``first .. first + len(logprobs) - 1`` (a prompt
+    token's index; index 0 has none), each with its top alternatives when asked for."""
+
+    first: int
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     """What one step of the model returns to the scheduler."""
 
     # Request id -> its new token, for every request whose scheduled tokens reached the end of
     # its known tokens; a prompt chunk that stops short of the end samples nothing.
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Request id -> the prompt logprobs this step computed, for requests that asked for them.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -76,7 +76,9 @@ def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     prompts = _prompts(serving, req.prompt)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
-    params = serving.sampling_params(req, max_tokens, req.logprobs)
+    # echo + logprobs scores the prompt (what evaluation harnesses send, max_tokens 0 or 1).
+    prompt_logprobs = req.logprobs if req.echo else None
+    params = serving.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs)
     gen = serving.start(prompts, params, req, "prompt", "cmpl")
     echo_texts = None
     if req.echo:
@@ -96,21 +98,22 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
     if req.stream:
         return event_stream(run.gen, _stream(run))
     builders = run.logprobs
-    lps = None
-    if builders is not None:
-        lps = [builders[i].prompt(run.prompt_of(i).token_ids) if req.echo else CompletionLogprobs()
-               for i in range(run.num_choices)]
+    lps: list[CompletionLogprobs | None] = [None] * run.num_choices
 
     def on_output(i: int, out: RequestOutput) -> None:
-        if builders is not None:
-            builders[i].add(out.new_logprobs, into=lps[i])
+        if builders is None:
+            return
+        if lps[i] is None:  # the first output: the prompt is computed, its logprobs known
+            lps[i] = (builders[i].prompt(run.prompt_of(i).token_ids, out.prompt_logprobs) if req.echo
+                      else CompletionLogprobs())
+        builders[i].add(out.new_logprobs, into=lps[i])
 
     finals = await serving.collect(request, run.gen, run.num_choices, on_output)
     if finals is None:  # the client left; nobody reads this
         return Response(status_code=499)
     choices = [
         CompletionChoice(index=i, text=run.echo_of(i) + out.text,
-                         logprobs=lps[i] if lps is not None else None,
+                         logprobs=lps[i] if builders is not None else None,
                          finish_reason=out.finish_reason, stop_reason=out.stop_reason)
         for i, out in enumerate(finals)
     ]
@@ -126,12 +129,17 @@ async def _stream(run: CompletionRun) -> AsyncIterator[str]:
             stop_reason=out.stop_reason if done else None)]))
 
     builders = run.logprobs
-    if run.echo_texts is not None:
+    # With logprobs the echo waits for the choice's first output, which brings the prompt's.
+    echo_first = run.echo_texts is not None and builders is None
+    if echo_first:
         for i in range(run.num_choices):
-            lp = builders[i].prompt(run.prompt_of(i).token_ids) if builders else None
-            yield chunk(i, run.echo_of(i), lp)
+            yield chunk(i, run.echo_of(i))
+    echoed = [echo_first or run.echo_texts is None] * run.num_choices
     finals: list[RequestOutput | None] = [None] * run.num_choices
     async for i, out in run.gen.outputs():
+        if not echoed[i]:
+            echoed[i] = True
+            yield chunk(i, run.echo_of(i), builders[i].prompt(run.prompt_of(i).token_ids, out.prompt_logprobs))
         lp = builders[i].add(out.new_logprobs) if builders else None
         if out.finished:
             finals[i] = out

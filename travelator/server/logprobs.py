@@ -45,14 +45,24 @@ class CompletionLogprobsBuilder:
         self.texts = texts
         self.offset = 0
 
-    def prompt(self, token_ids: list[int]) -> CompletionLogprobs:
-        # Prompt logprobs are not computed by the engine: echoed tokens carry null.
+    def prompt(self, token_ids: list[int],
+               prompt_logprobs: list[TokenLogprob | None] | None = None) -> CompletionLogprobs:
+        """The echoed prompt: each token with its logprob and top alternatives from the
+        engine's prompt logprobs; the first token (nothing predicts it) carries null, as in
+        OpenAI's legacy API."""
         res = CompletionLogprobs()
-        for tid in token_ids:
-            text, _ = self.texts.push(tid)
+        for k, tid in enumerate(token_ids):
+            lp = prompt_logprobs[k] if prompt_logprobs is not None else None
+            if lp is None:
+                text, _ = self.texts.push(tid)
+                res.top_logprobs.append(None)
+            else:
+                text, alts = self.texts.push(tid, _top(lp))
+                tops = dict(alts)
+                tops.setdefault(text, lp.logprob)
+                res.top_logprobs.append(tops)
             res.tokens.append(text)
-            res.token_logprobs.append(None)
-            res.top_logprobs.append(None)
+            res.token_logprobs.append(lp.logprob if lp is not None else None)
             res.text_offset.append(self.offset)
             self.offset += len(text)
         return res

@@ -90,7 +90,7 @@ class OpenAIServing:
                            code="queue_full", headers={"Retry-After": "1"})
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         n = 1 if req.n is None else req.n
@@ -98,6 +98,7 @@ class OpenAIServing:
             raise APIError(400, f"n is {n}, more than this server's limit of {self.settings.max_n}", param="n")
         kw: dict[str, Any] = {
             "n": n, "max_tokens": max_tokens, "seed": req.seed, "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
             "min_tokens": req.min_tokens, "skip_special_tokens": req.skip_special_tokens,
