@@ -285,22 +285,28 @@ class Tokenizer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._tk.save(str(path / "tokenizer.json"))
-        # transformers passes bos_token/eos_token to the template itself; the other variables
-        # this tokenizer renders with are fixed into the template.
+        (path / "tokenizer_config.json").write_text(
+            json.dumps(self.hf_config(model_max_length), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    def hf_config(self, model_max_length: int | None = None) -> dict[str, Any]:
+        """The `tokenizer_config.json` of `save_pretrained` (also served as /tokenizer_info):
+        special tokens and the chat template in use. transformers passes bos_token and
+        eos_token to a template itself; the other variables this tokenizer renders with are
+        fixed into the template."""
         fixed = {"add_bos_token": self.add_bos_token, **self._template_vars}
         prelude = "".join(f"{{%- set {k} = {json.dumps(v)} -%}}" for k, v in fixed.items())
         source = self.chat_template if self.chat_template is not None else FALLBACK_CHAT_TEMPLATE
-        config = {
+        config: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "pad_token": None,
             "clean_up_tokenization_spaces": False,
             "chat_template": prelude + source,
         }
         if model_max_length is not None:
             config["model_max_length"] = model_max_length
-        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                    encoding="utf-8")
+        return config
 
     # ------------------------------------------------------------------ helpers
 

@@ -181,7 +181,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
 
 
 def _tokenizer_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
-    """vLLM's /tokenize, /detokenize and /version (outside /v1, as vLLM serves them)."""
+    """vLLM's /tokenize, /detokenize, /tokenizer_info and /version (outside /v1, as vLLM
+    serves them)."""
     limit = serving.settings.max_body_bytes
     router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -194,6 +195,12 @@ def _tokenizer_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     async def detokenize_route(request: Request) -> Response:
         req = await read_body(request, DetokenizeRequest, limit)
         return JSONResponse(detokenize(serving, req).model_dump())
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        """The tokenizer's configuration (special tokens, chat template): what a client needs
+        to use /tokenize and /detokenize as its tokenizer (lm-evaluation-harness does)."""
+        return JSONResponse(serving.tokenizer.hf_config(serving.engine.max_model_len))
 
     @router.get("/version")
     async def version_route() -> Response:

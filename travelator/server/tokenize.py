@@ -1,4 +1,5 @@
-"""``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, in vLLM's shapes.
+"""``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` and ``GET /version``,
+in vLLM's shapes.
 
 Benchmark clients (guidellm, aiperf, vLLM's benchmark) and evaluation harnesses count and
 score tokens with the served model's own tokenizer; these let them ask the server instead
