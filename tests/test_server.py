@@ -604,3 +604,31 @@ def test_echo_with_logprobs_scores_the_prompt(server, http, offline, max_tokens,
         # the harness's greedy check: is the token the top alternative?
         assert max(lp["top_logprobs"][k].values()) >= lp["token_logprobs"][k]
     assert "".join(lp["tokens"][:len(ids)]) == offline.engine.tokenizer.decode(ids)
+
+
+def test_responses_api_with_the_openai_sdk(server, client):
+    """The Responses API's text core, through the official SDK: the same text as a chat
+    completion of the same messages, usage, the incomplete status at max_output_tokens, and
+    the streamed events."""
+    resp = client.responses.create(model=MODEL, input="Tell me a story", instructions="Be kind.",
+                                   max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "Tell me a story"}])
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens == 12
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(model=MODEL, max_output_tokens=12, temperature=0, stream=True, input=[
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Tell me a story"}]}]))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) == 12 and "".join(deltas) == resp.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == resp.output_text
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")

@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
+from travelator.server.responses import create_response
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from travelator.server.protocol import (
@@ -49,6 +50,8 @@ from travelator.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
+    ResponsesRequest,
 )
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
@@ -120,9 +123,9 @@ def _body_schema(request_model: type[BaseModel], response_model: type[BaseModel]
 
 
 def _install_openapi(app: FastAPI) -> None:
-    models = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
-    outputs = [CompletionResponse, ChatCompletionResponse, TokenizeResponse, DetokenizeResponse,
-               ErrorResponse]
+    models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+    outputs = [CompletionResponse, ChatCompletionResponse, ResponseObject, TokenizeResponse,
+               DetokenizeResponse, ErrorResponse]
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -233,6 +236,11 @@ def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     async def completions(request: Request) -> Response:
         req = await read_body(request, CompletionRequest, limit)
         return await create_completion(serving, req, request)
+
+    @v1.post("/responses", openapi_extra=_body_schema(ResponsesRequest, ResponseObject))
+    async def responses(request: Request) -> Response:
+        req = await read_body(request, ResponsesRequest, limit)
+        return await create_response(serving, req, request)
 
     @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:

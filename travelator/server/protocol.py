@@ -262,3 +262,81 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------- the Responses API
+
+
+class ResponseInputText(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponseInputMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponseInputText]
+
+
+class ResponsesRequest(SamplingFields):
+    """``POST /v1/responses``, its text core: ``input`` as a string or a list of messages,
+    ``instructions`` as a system message first. Nothing is stored: ``store`` is accepted and
+    ignored, and ``previous_response_id`` is refused."""
+
+    input: StrictStr | Annotated[list[ResponseInputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[ResponseOutputMessage]
+    usage: ResponseUsage | None = None
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: str = "disabled"
+    previous_response_id: str | None = None
+    store: bool = False
