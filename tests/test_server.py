@@ -632,3 +632,30 @@ def test_responses_api_with_the_openai_sdk(server, client):
     assert events[-1].response.output_text == resp.output_text
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
+
+
+def test_vllm_prompt_logprobs_field(server, http, offline):
+    """vLLM's prompt_logprobs extension: per prompt token (null first) a dict by token id of
+    the token (with its rank) and its alternatives, equal to the offline engine's."""
+    text = "Lily saw a big, red ball"
+    ids = offline.engine.tokenizer.encode(text)
+    ref = offline.generate([text], SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 2, "temperature": 0,
+                                           "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for k in range(1, len(ids)):
+        entry, want = plp[k], ref.prompt_logprobs[k]
+        mine = entry[str(ids[k])]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=1e-5) and mine["rank"] == want.rank
+        tops = sorted(want.top_logprobs.items(), key=lambda kv: -kv[1])
+        for rank, (tid, lp) in enumerate(tops, start=1):
+            assert entry[str(tid)]["logprob"] == pytest.approx(lp, abs=1e-5)
+            if tid != ids[k]:
+                assert entry[str(tid)]["rank"] == rank
+    # Each token's text in context: together, the prompt after BOS.
+    assert "".join(e[str(t)]["decoded_token"] for e, t in zip(plp[1:], ids[1:])).strip() == text
+    # Without the field, choices carry null.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
+    assert r.json()["choices"][0]["prompt_logprobs"] is None

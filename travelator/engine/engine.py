@@ -337,7 +337,7 @@ class LLMEngine:
         whole prompt has been computed; None when not asked for or not complete yet."""
         if req.sampling_params.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
             return None
-        return [None] + [TokenLogprob(t, lp, top) for t, (lp, top) in
+        return [None] + [TokenLogprob(t, lp, top, rank) for t, (lp, top, rank) in
                          zip(req.prompt_token_ids[1:], req.prompt_logprobs)]
 
     def _fail_step(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:

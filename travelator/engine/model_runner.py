@@ -149,13 +149,15 @@ class ModelRunner:
         rows = torch.tensor(inputs.prompt_rows, dtype=torch.long, device=hidden.device)
         targets = torch.tensor(inputs.prompt_targets, dtype=torch.long, device=hidden.device)
         top_n = max(span[3] for span in inputs.prompt_spans)
-        chosen, top_vals, top_ids = [], [], []
+        chosen, ranks, top_vals, top_ids = [], [], [], []
         for i in range(0, len(rows), self.PROMPT_LOGITS_ROWS):
             logits = self.model.compute_logits(hidden[rows[i:i + self.PROMPT_LOGITS_ROWS]])
             if logits is None:  # a tensor-parallel worker: its slice went to the driver
                 continue
             logprobs = torch.log_softmax(logits.float(), dim=-1)
-            chosen.append(logprobs.gather(1, targets[i:i + self.PROMPT_LOGITS_ROWS, None]).squeeze(1))
+            picked = logprobs.gather(1, targets[i:i + self.PROMPT_LOGITS_ROWS, None])
+            chosen.append(picked.squeeze(1))
+            ranks.append((logprobs > picked).sum(dim=-1) + 1)  # 1: the most likely token
             if top_n:
                 vals, ids = logprobs.topk(top_n, dim=-1)
                 top_vals.append(vals)
@@ -163,12 +165,13 @@ class ModelRunner:
         if not chosen:
             return {}
         lp = torch.cat(chosen).tolist()
+        rank = torch.cat(ranks).tolist()
         vals = torch.cat(top_vals).tolist() if top_n else None
         ids = torch.cat(top_ids).tolist() if top_n else None
         result, row = {}, 0
         for rid, first, count, n in inputs.prompt_spans:
             tops = [dict(zip(ids[r][:n], vals[r][:n])) if n else {} for r in range(row, row + count)]
-            result[rid] = PromptLogprobs(first, lp[row:row + count], tops)
+            result[rid] = PromptLogprobs(first, lp[row:row + count], tops, rank[row:row + count])
             row += count
         return result
 

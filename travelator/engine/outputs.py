@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: dict[int, float]
+    rank: int | None = None  # in its distribution (1: most likely); known for prompt tokens
 
 
 @dataclass(slots=True)

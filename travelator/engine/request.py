@@ -74,8 +74,8 @@ class Request:
     num_overtaken: int = 0  # times a later request was admitted ahead of it
     resumed_without_progress: bool = False  # preempted, readmitted, nothing computed since
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
-    # (logprob, top alternatives) of prompt tokens 1, 2, ... as computed so far, when asked for.
-    prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # (logprob, top alternatives, rank) of prompt tokens 1, 2, ... as computed so far, when asked for.
+    prompt_logprobs: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,13 +94,14 @@ class Request:
             return self.output_token_ids[start - p : stop - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
-    def add_prompt_logprobs(self, first: int, logprobs: list[float], tops: list[dict[int, float]]) -> None:
+    def add_prompt_logprobs(self, first: int, logprobs: list[float], tops: list[dict[int, float]],
+                            ranks: list[int]) -> None:
         """Record prompt tokens ``first ..``; those already known (computed again after a
         preemption) are kept as they were."""
         known = len(self.prompt_logprobs) + 1  # the next prompt token without a logprob
         assert first <= known, "prompt logprobs arrive in order"
         skip = known - first
-        self.prompt_logprobs.extend(zip(logprobs[skip:], tops[skip:]))
+        self.prompt_logprobs.extend(zip(logprobs[skip:], tops[skip:], ranks[skip:]))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -230,7 +230,7 @@ class SchedulerBase:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
             if (plp := result.prompt_logprobs.get(rid)) is not None:
-                req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs)
+                req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs, plp.ranks)
             tok = result.sampled.get(rid)
             if tok is None:
                 continue  # a prompt chunk that does not reach the end of the prompt

@@ -66,6 +66,7 @@ class PromptLogprobs:
     first: int
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
+    ranks: list[int]  # each token's rank in its distribution (1: the most likely)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from travelator.engine.outputs import RequestOutput
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
-from travelator.server.logprobs import CompletionLogprobsBuilder, TokenTexts
+from travelator.server.logprobs import CompletionLogprobsBuilder, TokenTexts, vllm_prompt_logprobs
 from travelator.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -36,6 +36,15 @@ class CompletionRun:
     echo_texts: list[str] | None  # per prompt, with echo
     logprobs: list[CompletionLogprobsBuilder] | None  # per choice, when logprobs were asked for
     include_usage: bool
+    top_logprobs: int | None  # the request's logprobs (alternatives per echoed token)
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs field, when asked for
+    tokenizer: object
+
+    def vllm_prompt_logprobs(self, choice: int, out: RequestOutput):
+        if self.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, self.prompt_of(choice).token_ids, out.prompt_logprobs,
+                                    self.prompt_logprobs)
 
     @property
     def num_choices(self) -> int:
@@ -76,9 +85,11 @@ def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     prompts = _prompts(serving, req.prompt)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # the OpenAI default
-    # echo + logprobs scores the prompt (what evaluation harnesses send, max_tokens 0 or 1).
-    prompt_logprobs = req.logprobs if req.echo else None
-    params = serving.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_logprobs)
+    # echo + logprobs scores the prompt (what evaluation harnesses send, max_tokens 0 or 1);
+    # so does vLLM's prompt_logprobs field. The engine computes the larger of the two.
+    wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
+    params = serving.sampling_params(req, max_tokens, req.logprobs,
+                                     prompt_logprobs=max(wanted) if wanted else None)
     gen = serving.start(prompts, params, req, "prompt", "cmpl")
     echo_texts = None
     if req.echo:
@@ -90,7 +101,8 @@ def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
             serving.tokenizer, [] if req.echo else prompts[i // params.n].token_ids,
             params.skip_special_tokens)) for i in range(len(prompts) * params.n)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return CompletionRun(gen, model, now(), prompts, params.n, echo_texts, builders, include_usage)
+    return CompletionRun(gen, model, now(), prompts, params.n, echo_texts, builders, include_usage,
+                         req.logprobs, req.prompt_logprobs, serving.tokenizer)
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
@@ -104,8 +116,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
         if builders is None:
             return
         if lps[i] is None:  # the first output: the prompt is computed, its logprobs known
-            lps[i] = (builders[i].prompt(run.prompt_of(i).token_ids, out.prompt_logprobs) if req.echo
-                      else CompletionLogprobs())
+            lps[i] = (builders[i].prompt(run.prompt_of(i).token_ids, out.prompt_logprobs, run.top_logprobs)
+                      if req.echo else CompletionLogprobs())
         builders[i].add(out.new_logprobs, into=lps[i])
 
     finals = await serving.collect(request, run.gen, run.num_choices, on_output)
@@ -114,7 +126,8 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
     choices = [
         CompletionChoice(index=i, text=run.echo_of(i) + out.text,
                          logprobs=lps[i] if builders is not None else None,
-                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                         finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                         prompt_logprobs=run.vllm_prompt_logprobs(i, out))
         for i, out in enumerate(finals)
     ]
     return json_response(run.response(choices, usage(run.prompts, finals, run.n)))
@@ -122,11 +135,11 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, requ
 
 async def _stream(run: CompletionRun) -> AsyncIterator[str]:
     def chunk(i: int, text: str, lp: CompletionLogprobs | None = None,
-              out: RequestOutput | None = None) -> str:
+              out: RequestOutput | None = None, prompt_logprobs=None) -> str:
         done = out is not None and out.finished
         return sse(run.response([CompletionChoice(
             index=i, text=text, logprobs=lp, finish_reason=out.finish_reason if done else None,
-            stop_reason=out.stop_reason if done else None)]))
+            stop_reason=out.stop_reason if done else None, prompt_logprobs=prompt_logprobs)]))
 
     builders = run.logprobs
     # With logprobs the echo waits for the choice's first output, which brings the prompt's.
@@ -135,11 +148,17 @@ async def _stream(run: CompletionRun) -> AsyncIterator[str]:
         for i in range(run.num_choices):
             yield chunk(i, run.echo_of(i))
     echoed = [echo_first or run.echo_texts is None] * run.num_choices
+    first = [True] * run.num_choices
     finals: list[RequestOutput | None] = [None] * run.num_choices
     async for i, out in run.gen.outputs():
         if not echoed[i]:
             echoed[i] = True
-            yield chunk(i, run.echo_of(i), builders[i].prompt(run.prompt_of(i).token_ids, out.prompt_logprobs))
+            yield chunk(i, run.echo_of(i),
+                        builders[i].prompt(run.prompt_of(i).token_ids, out.prompt_logprobs, run.top_logprobs))
+        if first[i]:  # the prompt's logprobs in vLLM's shape ride on the choice's first chunk
+            first[i] = False
+            if (plp := run.vllm_prompt_logprobs(i, out)) is not None:
+                yield chunk(i, "", prompt_logprobs=plp)
         lp = builders[i].add(out.new_logprobs) if builders else None
         if out.finished:
             finals[i] = out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from travelator.engine.outputs import TokenLogprob
-from travelator.server.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from travelator.server.protocol import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 
 class TokenTexts:
@@ -45,8 +45,8 @@ class CompletionLogprobsBuilder:
         self.texts = texts
         self.offset = 0
 
-    def prompt(self, token_ids: list[int],
-               prompt_logprobs: list[TokenLogprob | None] | None = None) -> CompletionLogprobs:
+    def prompt(self, token_ids: list[int], prompt_logprobs: list[TokenLogprob | None] | None = None,
+               top_n: int | None = None) -> CompletionLogprobs:
         """The echoed prompt: each token with its logprob and top alternatives from the
         engine's prompt logprobs; the first token (nothing predicts it) carries null, as in
         OpenAI's legacy API."""
@@ -57,7 +57,7 @@ class CompletionLogprobsBuilder:
                 text, _ = self.texts.push(tid)
                 res.top_logprobs.append(None)
             else:
-                text, alts = self.texts.push(tid, _top(lp))
+                text, alts = self.texts.push(tid, _top(lp)[:top_n])
                 tops = dict(alts)
                 tops.setdefault(text, lp.logprob)
                 res.top_logprobs.append(tops)
@@ -91,3 +91,23 @@ def chat_logprobs(texts: TokenTexts, logprobs: list[TokenLogprob], top_n: int) -
             top_logprobs=[TopLogprob(token=t, logprob=v, bytes=list(t.encode("utf-8"))) for t, v in alts],
         ))
     return res
+
+
+def vllm_prompt_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob | None],
+                         top_n: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else a dict by token
+    id of the token itself (with its rank) and its ``top_n`` alternatives (ranks 1..)."""
+    texts = TokenTexts(tokenizer, [], skip_special_tokens=False)
+    result: list[dict[str, PromptLogprob] | None] = []
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            texts.push(tid)
+            result.append(None)
+            continue
+        alts = _top(entry)[:top_n]
+        text, alt_texts = texts.push(tid, alts)
+        item = {str(tid): PromptLogprob(logprob=entry.logprob, rank=entry.rank, decoded_token=text)}
+        for rank, ((alt_id, alt_lp), (alt_text, _)) in enumerate(zip(alts, alt_texts), start=1):
+            item.setdefault(str(alt_id), PromptLogprob(logprob=alt_lp, rank=rank, decoded_token=alt_text))
+        result.append(item)
+    return result

@@ -101,6 +101,9 @@ class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     echo: bool = False
     logprobs: int | None = None
+    # Extension (vLLM's): every prompt token's logprob with this many alternatives, in the
+    # choice's prompt_logprobs.
+    prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -166,12 +169,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With prompt_logprobs (vLLM's shape): per prompt token, null for the first, else the
+    # token and its alternatives by id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
