@@ -659,3 +659,38 @@ def test_vllm_prompt_logprobs_field(server, http, offline):
     # Without the field, choices carry null.
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1})
     assert r.json()["choices"][0]["prompt_logprobs"] is None
+
+
+def test_vllm_benchmark_stream_parsing_rules(server, http):
+    """The parsing rules of vLLM's benchmark client (``async_request_openai_completions`` in
+    vllm/benchmarks/lib/endpoint_request_func.py), reproduced: its payload, SSE messages split
+    on blank lines, comments skipped, ``[DONE]`` ignored; a message with choices is a token
+    event (TTFT on the first, an ITL gap after), one with only usage gives the token counts."""
+    payload = {"model": MODEL, "prompt": PROMPT, "repetition_penalty": 1.0, "max_tokens": 16,
+               "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+               "ignore_eos": True, "temperature": 0}
+    events, output_tokens, prompt_len, text, buffer = 0, None, None, "", ""
+    with http.stream("POST", "/v1/completions", json=payload) as r:
+        assert r.status_code == 200
+        for raw in r.iter_bytes():
+            buffer += raw.decode()
+            *messages, buffer = buffer.split("\n\n")
+            for message in messages:
+                message = message.strip()
+                if not message or message.startswith(":"):
+                    continue
+                chunk = message.removeprefix("data: ")
+                if chunk == "[DONE]":
+                    continue
+                data = json.loads(chunk)
+                if choices := data.get("choices"):
+                    events += 1
+                    text += choices[0].get("text") or ""
+                elif usage := data.get("usage"):
+                    output_tokens, prompt_len = usage["completion_tokens"], usage["prompt_tokens"]
+    assert buffer.strip() == ""
+    plain = http.post("/v1/completions", json={**payload, "stream": False}).json()
+    assert text == plain["choices"][0]["text"]
+    assert output_tokens == 16 and prompt_len == len(server.tokenizer.encode(PROMPT))
+    # One event per token: TTFT plus 15 inter-token gaps, so its ITL and TPOT are per token.
+    assert events == 16
