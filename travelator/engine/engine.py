@@ -77,7 +77,7 @@ class LLMEngine:
         self.runner: Executor = make_executor(
             config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
             device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
         )
         self.dtype = dtype
         block_size = config.cache.block_size

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from travelator.distributed.comm import TPGroup
+from travelator.engine.grammar_masks import GrammarMasks
 from travelator.engine.scheduler_output import PromptLogprobs, RunnerOutput, SampledToken, SchedulerOutput
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata
@@ -23,6 +24,7 @@ from travelator.model.llama import LlamaModel
 from travelator.model.ops import make_ops
 from travelator.model.loader import WeightIterator
 from travelator.model.sampler import SamplingBatch, sample
+from travelator.model.tokenizer import Tokenizer
 from travelator.sampling_params import SamplingParams
 
 
@@ -54,8 +56,11 @@ class ModelRunner:
     def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
-                 kernels: str = "auto", batch_invariant: bool = False) -> None:
+                 kernels: str = "auto", batch_invariant: bool = False,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.arch = arch
+        # Structured outputs: masks for constrained rows (on the rank that samples).
+        self.grammar = GrammarMasks(tokenizer, arch.vocab_size) if tokenizer is not None else None
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         self.device = device
         self.dtype = dtype
@@ -124,7 +129,16 @@ class ModelRunner:
             output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
             eos_token_ids=self.eos_token_ids,
         )
+        constrained = [(row, rid, s.sampling_params, s.token_ids[s.num_prompt_tokens:])
+                       for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states))
+                       if s.sampling_params.structured is not None]
+        if constrained:
+            if self.grammar is None:
+                raise RuntimeError("a constrained request reached a runner without a tokenizer")
+            self.grammar.apply(logits, constrained)
         result = sample(logits, batch, argmax=self.ops.argmax)
+        for row, rid, _, _ in constrained:
+            self.grammar.advance(rid, result.token_ids[row])
         sampled = {}
         for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states)):
             tok = result.token_ids[row]
@@ -178,7 +192,11 @@ class ModelRunner:
     def _apply_changes(self, out: SchedulerOutput) -> None:
         for rid in out.freed_request_ids:
             self.states.pop(rid, None)
+            if self.grammar is not None:
+                self.grammar.forget(rid)
         for new in out.new_requests:
+            if self.grammar is not None:  # readmitted: its matcher is rebuilt from its outputs
+                self.grammar.forget(new.request_id)
             self.states[new.request_id] = RunnerRequestState(
                 new.request_id,
                 len(new.prompt_token_ids),

@@ -112,7 +112,8 @@ class Request:
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         if n_out >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
+            # A constrained request ends at EOS, which its grammar allows only once complete.
+            if (not params.ignore_eos or params.structured is not None) and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
             if last in params.stop_token_ids:

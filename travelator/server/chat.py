@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from travelator.engine.outputs import RequestOutput
+from travelator.errors import InvalidRequestError
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.logprobs import TokenTexts, chat_logprobs
@@ -29,6 +30,7 @@ from travelator.server.protocol import (
 )
 from travelator.server.serving import EnginePrompt, OpenAIServing, usage
 from travelator.server.streaming import event_stream, json_response, sse
+from travelator.structured import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -57,9 +59,6 @@ class ChatRun:
 def _prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> EnginePrompt:
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(400, f"response_format {fmt!r} is not supported", param="response_format")
     text = render_messages(serving, req.messages, req.add_generation_prompt)
     ids = serving.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
@@ -92,6 +91,27 @@ def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
 
 
+def _response_format(fmt: dict | None) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema (its
+    ``schema``, strict or not: the output always matches it here)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return StructuredOutput(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
+                               param="response_format.json_schema")
+            return StructuredOutput(json=spec.get("schema", {}))
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="response_format") from None
+    raise APIError(400, f"response_format {kind!r} is not supported (text, json_object, json_schema)",
+                   param="response_format")
+
+
 def _start(serving: OpenAIServing, req: ChatCompletionRequest) -> ChatRun:
     model = serving.resolve_model(req.model)
     prompt = _prompt(serving, req)
@@ -99,7 +119,8 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest) -> ChatRun:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
-    params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None)
+    params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None,
+                                     structured=_response_format(req.response_format))
     gen = serving.start([prompt], params, req, "messages", "chatcmpl")
     texts = None
     if req.logprobs:

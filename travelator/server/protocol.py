@@ -59,6 +59,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(BaseModel):
     """Fields both endpoints share. ``None`` means the OpenAI default. Strict types, as
     OpenAI's API: ``"max_tokens": "5"`` or ``5.0`` is a 400 naming the field, not a 5 (an
@@ -91,6 +103,7 @@ class SamplingFields(BaseModel):
     priority: int = 0
     # Keeps this request's prefix-cache blocks apart from requests without the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 TokenIds = list[StrictInt]

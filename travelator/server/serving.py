@@ -10,6 +10,7 @@ engine state; queue lengths). A request's sub-requests are all validated before 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ from travelator.engine.async_engine import AsyncEngine, EngineDeadError
 from travelator.engine.outputs import RequestOutput
 from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.sampling_params import SamplingParams
+from travelator.structured import StructuredOutput
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation, SubRequest
 from travelator.server.metrics import ServerMetrics
-from travelator.server.protocol import PromptTokensDetails, SamplingFields, Usage, random_id
+from travelator.server.protocol import PromptTokensDetails, SamplingFields, StructuredOutputs, Usage, random_id
 from travelator.server.settings import ServerSettings
 from travelator.server.streaming import unless_disconnected
 
@@ -49,6 +51,24 @@ def usage(prompts: list[EnginePrompt], finals: list[RequestOutput], n: int) -> U
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _structured(fields: StructuredOutputs | None) -> StructuredOutput | None:
+    """vLLM's structured_outputs as a constraint (a 400 naming the field when it is bad)."""
+    if fields is None:
+        return None
+    schema = fields.json_
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"structured_outputs.json is not JSON: {exc}", param="structured_outputs.json") from None
+    try:
+        return StructuredOutput(json=schema, json_object=bool(fields.json_object), regex=fields.regex,
+                                choice=tuple(fields.choice) if fields.choice is not None else None,
+                                grammar=fields.grammar)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 class OpenAIServing:
@@ -89,8 +109,9 @@ class OpenAIServing:
                                 f"--max-waiting (or without it: no limit)",
                            code="queue_full", headers={"Retry-After": "1"})
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         n = 1 if req.n is None else req.n
@@ -99,6 +120,7 @@ class OpenAIServing:
         kw: dict[str, Any] = {
             "n": n, "max_tokens": max_tokens, "seed": req.seed, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
+            "structured": structured if structured is not None else _structured(req.structured_outputs),
             "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
             "min_tokens": req.min_tokens, "skip_special_tokens": req.skip_special_tokens,

@@ -1,0 +1,148 @@
+"""Structured outputs (llguidance): stories260K, which never writes JSON unprompted, sampled
+under JSON schemas, regexes and choices; every output validates (jsonschema, re.fullmatch),
+alone and batched with unconstrained requests, with and without preemption; the server's
+response_format and structured_outputs, through the official SDK; bad constraints are 400s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from live import serve_in_thread
+from paths import STORIES, needs_stories
+from travelator import LLM, SamplingParams
+from travelator.engine.async_engine import AsyncEngine
+from travelator.server.app import build_app
+from travelator.server.settings import ServerSettings
+from travelator.structured import StructuredOutput
+
+pytestmark = needs_stories
+
+NAME = {"type": "string", "maxLength": 10}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"pet": {"enum": ["cat", "dog", "fish"]}}, "required": ["pet"],
+     "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
+    # Numbers with a bounded number of digits: an unbounded fraction can run to max_tokens
+    # (that output ends with finish_reason "length", incomplete; see README).
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -50, "maximum": 50},
+                                      "price": {"type": "string", "pattern": "^[0-9]{1,3}\\.[0-9]{2}$"}},
+     "required": ["n", "price"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": NAME,
+                                                                           "maxItems": 3}},
+     "required": ["ok", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"who": {"type": "object", "properties": {"first": NAME, "last": NAME},
+                                              "required": ["first", "last"], "additionalProperties": False}},
+     "required": ["who"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["code"], "additionalProperties": False},
+    {"type": "string", "enum": ["yes", "no", "maybe"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}, "label": NAME},
+        "required": ["id", "label"], "additionalProperties": False}}}, "required": ["items"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                      "b": {"anyOf": [{"type": "null"}, NAME]}},
+     "required": ["a", "b"], "additionalProperties": False},
+]
+REGEXES = [r"[A-Z][a-z]{2,8} [0-9]{2}", r"(red|green|blue)-[0-9]{3}", r"[a-z]{1,8}@[a-z]{1,8}\.com"]
+CHOICES = [("cat", "dog", "big bird"), ("yes", "no")]
+PROMPTS = ["Once upon a time", "Lily and Tom", "The little dog"]
+
+
+def constrained() -> list[tuple[StructuredOutput, object]]:
+    """(constraint, check) pairs; check(text) raises or returns False on a bad output."""
+    cases = [(StructuredOutput(json=s), lambda t, s=s: jsonschema.validate(json.loads(t), s) or True)
+             for s in SCHEMAS]
+    cases += [(StructuredOutput(regex=r), lambda t, r=r: re.fullmatch(r, t) is not None) for r in REGEXES]
+    cases += [(StructuredOutput(choice=c), lambda t, c=c: t in c) for c in CHOICES]
+    return cases
+
+
+def params_for(structured: StructuredOutput | None, seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, seed=seed, max_tokens=150, structured=structured)
+
+
+@pytest.mark.parametrize("pool", [None, 12])  # 12 blocks of 16 tokens: requests get preempted
+def test_every_output_matches_alone_and_mixed_with_free_requests(pool):
+    # batch_invariant: the request alone (below) must give bitwise the same numbers.
+    llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=pool, max_num_seqs=24, batch_invariant=True)
+    cases = constrained()
+    prompts, params = [], []
+    for i, (structured, _) in enumerate(cases):
+        prompts += [PROMPTS[i % 3], PROMPTS[(i + 1) % 3]]
+        params += [params_for(structured, i), params_for(None, i)]  # an unconstrained neighbour
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for k, (structured, check) in enumerate(cases):
+        out = outs[2 * k].outputs[0]
+        assert out.finish_reason == "stop", (structured, out.text)
+        assert check(out.text), (structured, out.text)
+        # The unconstrained neighbour still writes story text, not JSON.
+        assert outs[2 * k + 1].outputs[0].finish_reason in ("length", "stop")
+    if pool is not None:
+        assert llm.engine.counters.preemptions > 0
+    # Alone, a constrained request gives the same text as in the batch (same seed, float32).
+    alone = LLM(str(STORIES), dtype="float32", batch_invariant=True).generate(
+        [prompts[0]], [params[0]], use_tqdm=False)[0]
+    assert alone.outputs[0].text == outs[0].outputs[0].text
+
+
+def test_bad_constraints_are_refused():
+    with pytest.raises(ValueError, match="regex"):
+        SamplingParams(structured=StructuredOutput(regex="[a-"))
+    with pytest.raises(ValueError, match="json"):
+        SamplingParams(structured=StructuredOutput(json={"type": "no-such-type"}))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutput(regex="a", choice=("a",))
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutput(choice=())
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    kind: str = pydantic.Field(pattern="^(cat|dog)$")
+    age: int = pydantic.Field(ge=0, le=30)
+
+
+def test_server_response_format_and_structured_outputs():
+    llm = LLM(str(STORIES), dtype="float32")
+    app = build_app(AsyncEngine(llm.engine), ServerSettings(served_model_names=["stories"]))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Tell me about a pet"}]
+        parsed = client.chat.completions.parse(model="stories", messages=msgs, response_format=Pet,
+                                               max_tokens=150, temperature=0.8, seed=1)
+        pet = parsed.choices[0].message.parsed
+        assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
+        # Any JSON object: this model writes keys and values without end, so the output is
+        # an object cut at max_tokens (finish_reason "length") unless it closes it.
+        r = client.chat.completions.create(model="stories", messages=msgs, max_tokens=60,
+                                           response_format={"type": "json_object"})
+        content = r.choices[0].message.content
+        assert content.startswith("{")
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(content), dict)
+        c = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=40,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z][a-z]+ [0-9]{2}"}})
+        assert re.fullmatch("[A-Z][a-z]+ [0-9]{2}", c.choices[0].text)
+        c = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=40,
+                                      extra_body={"structured_outputs": {"choice": ["up", "down"]}})
+        assert c.choices[0].text in ("up", "down") and c.choices[0].finish_reason == "stop"
+        for body, param in [
+            ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+            ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
+            ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model="stories", prompt="x", max_tokens=5, extra_body=body)
+            assert err.value.body["param"] == param, err.value.body
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="stories", messages=msgs,
+                                           response_format={"type": "xml"})

@@ -1,0 +1,75 @@
+"""Structured outputs: what a request's output must match, as an llguidance grammar.
+
+One of a JSON schema, any JSON object, a regular expression, a fixed list of choices, or a
+Lark grammar (llguidance's dialect). The grammar is checked when the request is made, so a
+bad schema or regex is a 400 naming the field, never a failed step. The model runner keeps
+one llguidance matcher per constrained request: each step it masks the logits of those rows
+to the tokens the grammar allows, and advances the matcher with the sampled token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from travelator.errors import InvalidRequestError
+
+
+# JSON without free whitespace (", " and ": " separators): a model cannot stall the output on
+# whitespace, which a JSON grammar otherwise allows without end.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    json: dict[str, Any] | None = None  # a JSON schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # Lark, as llguidance reads it
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of json, json_object, regex, choice and grammar",
+                                      "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs.choice")
+
+    @property
+    def param(self) -> str:
+        """The field a client set, for error messages."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return f"structured_outputs.{name}"
+        return "structured_outputs.json_object"
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (a JSON document) for this constraint."""
+        if self.json is not None:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(self.json), defaults=_JSON_OPTIONS)
+        if self.json_object:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}),
+                                                                 defaults=_JSON_OPTIONS)
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            # Lark string literals read JSON's escapes.
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError when the schema, regex or grammar does not compile."""
+        try:
+            error = llguidance.LLMatcher.validate_grammar(self.grammar_text())
+        except (ValueError, TypeError, RuntimeError) as exc:
+            error = str(exc)
+        if error:
+            raise InvalidRequestError(f"the {self.param.split('.')[-1]} constraint does not compile: {error}",
+                                      self.param)
