@@ -115,3 +115,26 @@ def test_small_m_linear_against_float64(n, k):
     assert torch.equal(ops.small_m_linear(x[1:].contiguous(), w)[0], y[1])
     with pytest.raises(RuntimeError, match="1 to 2 rows"):
         ops.small_m_linear(torch.zeros(3, k, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_bitmask_against_a_plain_loop(dtype):
+    """Native and torch masking of the constrained rows agree with a loop over the bits."""
+    from travelator.model.ops import TorchOps
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 1000  # not a multiple of 32
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
+    masks = torch.randint(-2**31, 2**31 - 1, (3, 32), generator=g, dtype=torch.int64).to(torch.int32)
+    masks[1] = -1  # a row with everything allowed
+    rows = torch.tensor([4, 0, 2])
+    want = logits.clone()
+    for k, r in enumerate(rows.tolist()):
+        for j in range(vocab):
+            if not (int(masks[k, j // 32]) >> (j % 32)) & 1:
+                want[r, j] = float("-inf")
+    native = logits.clone()
+    ops.apply_token_bitmask_(native, masks, rows)
+    fallback = logits.clone()
+    TorchOps().apply_token_bitmask(fallback, masks, rows)
+    assert torch.equal(native, want) and torch.equal(fallback, want)

@@ -13,17 +13,18 @@ import llguidance
 import llguidance.torch
 import torch
 
+from travelator.model.ops import TorchOps
 from travelator.model.tokenizer import Tokenizer
 from travelator.sampling_params import SamplingParams
 
 
 class GrammarMasks:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, ops: TorchOps) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self._ops = ops
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def _llt(self) -> llguidance.LLTokenizer:
         if self._lltokenizer is None:  # a few ms; only once a constrained request comes
@@ -51,10 +52,8 @@ class GrammarMasks:
                                        f"{matcher.get_error()}")
                 self._matchers[rid] = matcher
             llguidance.torch.fill_next_token_bitmask(matcher, masks, k)
-        # Bit j of word w allows token 32 * w + j.
-        allowed = ((masks.unsqueeze(-1) >> self._bits) & 1).flatten(1)[:, : logits.shape[1]].bool()
-        index = torch.tensor([row for row, *_ in rows], dtype=torch.long)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        index = torch.tensor([row for row, *_ in rows], dtype=torch.long, device=logits.device)
+        self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
 
     def advance(self, request_id: str, token_id: int) -> None:
         matcher = self._matchers.get(request_id)

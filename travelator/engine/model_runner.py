@@ -59,9 +59,9 @@ class ModelRunner:
                  kernels: str = "auto", batch_invariant: bool = False,
                  tokenizer: Tokenizer | None = None) -> None:
         self.arch = arch
-        # Structured outputs: masks for constrained rows (on the rank that samples).
-        self.grammar = GrammarMasks(tokenizer, arch.vocab_size) if tokenizer is not None else None
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
+        # Structured outputs: masks for constrained rows (on the rank that samples).
+        self.grammar = GrammarMasks(tokenizer, arch.vocab_size, self.ops) if tokenizer is not None else None
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype

@@ -64,6 +64,13 @@ class TorchOps:
         """Each row's first largest index (the sampler's greedy pick)."""
         return x.argmax(dim=-1)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+        """Structured outputs, in place: ``logits[rows[k], j] = -inf`` where bit ``j % 32`` of
+        ``masks[k, j // 32]`` (int32 words, llguidance's layout) is 0."""
+        bits = torch.arange(32, dtype=torch.int32, device=masks.device)
+        allowed = ((masks.unsqueeze(-1) >> bits) & 1).flatten(1)[:, : logits.shape[1]].bool()
+        logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
 
 class NativeOps(TorchOps):
     attention_backend: AttentionBackend = "native"
@@ -117,6 +124,11 @@ class NativeOps(TorchOps):
         if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
             return x.argmax(dim=-1)
         return self._ops.argmax_rows(x)
+
+    def apply_token_bitmask(self, logits, masks, rows):
+        if not logits.is_contiguous():
+            return super().apply_token_bitmask(logits, masks, rows)
+        self._ops.apply_token_bitmask_(logits, masks, rows)
 
 
 def _in_fixed_tiles(call, x: torch.Tensor) -> torch.Tensor:

@@ -268,6 +268,45 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Structured outputs: logits[rows[k], j] = -inf where bit j of masks[k] is 0 (bit j%32 of
+// word j/32: llguidance's token bitmask). One pass over the masked rows only.
+template <typename T>
+void mask_rows(T* logits, int64_t vocab, const int32_t* masks, int64_t words, const int64_t* rows,
+               int64_t n) {
+  const T neg_inf = static_cast<T>(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      T* row = logits + rows[k] * vocab;
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks + k * words);
+      for (int64_t w = 0; w < words; ++w) {
+        const uint32_t word = bits[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t stop = std::min<int64_t>(32, vocab - w * 32);
+        for (int64_t j = 0; j < stop; ++j)
+          if (!((word >> j) & 1u)) row[w * 32 + j] = neg_inf;
+      }
+    }
+  });
+}
+
+void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& masks, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "apply_token_bitmask_: contiguous [B, V] logits");
+  TORCH_CHECK(masks.dim() == 2 && masks.is_contiguous() && masks.scalar_type() == at::kInt,
+              "apply_token_bitmask_: contiguous int32 [K, words] masks");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong &&
+                  rows.size(0) == masks.size(0), "apply_token_bitmask_: int64 [K] rows, one per mask");
+  TORCH_CHECK(masks.size(1) * 32 >= logits.size(1), "apply_token_bitmask_: masks narrower than the vocabulary");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t k = 0; k < rows.size(0); ++k)
+    TORCH_CHECK(r[k] >= 0 && r[k] < logits.size(0), "apply_token_bitmask_: row out of range");
+  switch (logits.scalar_type()) {
+    case at::kFloat: return mask_rows(logits.data_ptr<float>(), logits.size(1), masks.data_ptr<int32_t>(), masks.size(1), r, rows.size(0));
+    case at::kBFloat16: return mask_rows(logits.data_ptr<c10::BFloat16>(), logits.size(1), masks.data_ptr<int32_t>(), masks.size(1), r, rows.size(0));
+    case at::kHalf: return mask_rows(logits.data_ptr<c10::Half>(), logits.size(1), masks.data_ptr<int32_t>(), masks.size(1), r, rows.size(0));
+    default: TORCH_CHECK(false, "apply_token_bitmask_: unsupported dtype ", logits.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
@@ -276,9 +315,11 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor masks, Tensor rows) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, &apply_token_bitmask_);
 }
