@@ -126,3 +126,49 @@ def test_eos_ends_unless_ignored_or_before_min_tokens():
     assert _finish_after([5, 6, 2, 7], eos={2}, ignore_eos=True, max_tokens=4) == (4, "length")
     assert _finish_after([2, 6, 2, 7], eos={2}, min_tokens=2) == (3, "stop")
     assert _finish_after([5, 6, 9], eos={2}, stop_token_ids=[6]) == (2, "stop")
+
+
+@pytest.mark.skipif(not __import__("travelator.kernels", fromlist=["available"]).available(),
+                    reason="needs the native kernels")
+def test_native_race_follows_the_distribution_and_the_seed():
+    """The native exponential race: shares of 20,000 draws (distinct seeds) match the
+    softmax within sampling error; filtered (-inf) tokens never come; a seed gives the same
+    token whatever the other rows are."""
+    race = torch.ops.travelator.exponential_race
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    scores = p.log().repeat(20000, 1).contiguous()
+    ids = race(scores, torch.arange(20000, dtype=torch.long) * 7919 + 3)
+    shares = torch.bincount(ids, minlength=5).double() / 20000
+    assert torch.all((shares - p.double()).abs() < 4 * (p.double() * (1 - p.double()) / 20000).sqrt() + 1e-9)
+    assert shares[4] == 0
+    mixed = torch.cat([torch.randn(3, 5), scores[:1]]).contiguous()
+    again = race(mixed, torch.tensor([1, 2, 3, 3], dtype=torch.long))
+    assert again[3] == race(scores[:1].contiguous(), torch.tensor([3], dtype=torch.long))[0]
+
+
+def _nucleus_by_full_sort(logits, top_k, top_p):
+    """The definition, by a full sort: each row's top_k, then the smallest prefix whose
+    probability over them reaches top_p."""
+    kept = torch.zeros_like(logits, dtype=torch.bool)
+    for r in range(logits.shape[0]):
+        vals, order = logits[r].sort(descending=True)
+        k = min(top_k[r], logits.shape[1]) if top_k[r] > 0 else logits.shape[1]
+        probs = torch.softmax(vals[:k].double(), dim=0)
+        n = int((probs.cumsum(0) - probs < top_p[r]).sum())
+        kept[r, order[:max(n, 1)]] = True
+    return kept
+
+
+@pytest.mark.parametrize("sharpness", [0.1, 3.0, 12.0])  # flat (full-sort fallback) to peaked
+def test_top_k_top_p_fast_path_is_exact(sharpness):
+    from travelator.model.sampler import _apply_top_k_top_p_min_p
+
+    g = torch.Generator().manual_seed(int(sharpness * 10))
+    logits = torch.randn(12, 5000, generator=g) * sharpness
+    top_k = [0, 5, 300, 0, 0, 1, 40, 0, 4999, 0, 0, 7]
+    top_p = [0.9, 1.0, 0.5, 0.99, 1.0, 1.0, 0.3, 0.7, 0.95, 0.2, 1e-6, 0.8]
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in zip(top_k, top_p)]
+    got = _apply_top_k_top_p_min_p(logits.clone(), params)
+    kept = torch.isfinite(got)
+    assert torch.equal(kept, _nucleus_by_full_sort(logits, top_k, top_p))
+    assert torch.equal(got[kept], logits[kept])  # kept logits are untouched

@@ -136,7 +136,7 @@ class ModelRunner:
             if self.grammar is None:
                 raise RuntimeError("a constrained request reached a runner without a tokenizer")
             self.grammar.apply(logits, constrained)
-        result = sample(logits, batch, argmax=self.ops.argmax)
+        result = sample(logits, batch, argmax=self.ops.argmax, race=self.ops.exponential_race)
         for row, rid, _, _ in constrained:
             self.grammar.advance(rid, result.token_ids[row])
         sampled = {}

@@ -36,6 +36,8 @@ INVARIANT_ROWS = 64
 
 class TorchOps:
     attention_backend: AttentionBackend = "torch"
+    # The sampler's native draw (NativeOps); None: torch generators make the noise.
+    exponential_race = None
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         """Called once the weights are final (loaded and on their device)."""
@@ -124,6 +126,9 @@ class NativeOps(TorchOps):
         if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
             return x.argmax(dim=-1)
         return self._ops.argmax_rows(x)
+
+    def exponential_race(self, scores: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        return self._ops.exponential_race(scores, seeds)
 
     def apply_token_bitmask(self, logits, masks, rows):
         if not logits.is_contiguous():

@@ -38,12 +38,16 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
-           argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax) -> SamplerOutput:
+           argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax,
+           race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
     """``logits``: [B, V], one row per request in ``batch``, in any float dtype. ``argmax``
     gives each row's first largest index (the model's ops may have a faster one than
     torch's). A batch of plain greedy picks takes the argmax of the logits as they are
     (widening to float32 is exact, so the pick is the same); everything else is computed
-    in float32."""
+    in float32. ``race(scores, seeds)``, when given (the native kernel), draws each row
+    from softmax(scores) with noise generated from the row's seed alone; otherwise torch
+    generators make the noise (a different stream: seeded outputs are reproducible per
+    kernel set)."""
     params = batch.params
     b, vocab = logits.shape
     want_logprobs = any(p.logprobs is not None for p in params)
@@ -65,10 +69,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         scaled = logits / temps.unsqueeze(1)
         scaled = _apply_top_k_top_p_min_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
-        sampled = argmax(probs / noise)
+        if race is not None:
+            sampled = race(scaled.contiguous(), _row_seeds(params, batch.output_token_ids).to(dev))
+        else:
+            probs = torch.softmax(scaled, dim=-1)
+            noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
+            sampled = argmax(probs / noise)
         token_ids = torch.where(greedy, argmax(logits), sampled)
 
     ids = token_ids.tolist()
@@ -132,20 +139,64 @@ def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     top_p = torch.tensor([p.top_p for p in params], device=dev)
     min_p = torch.tensor([p.min_p for p in params], device=dev)
     if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=dev).unsqueeze(0)
-        drop = rank >= top_k.unsqueeze(1)
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        logits = _filter_top_candidates(logits, top_k, top_p)
     if bool((min_p > 0).any()):
         probs = torch.softmax(logits, dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+# Candidates sorted for top-k/top-p: a full sort of [B, V] costs tens of ms on the CPU.
+_CANDIDATES = 256
+
+
+def _filter_top_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest prefix of them whose probability (over
+    the kept ones) reaches top_p. Only the best candidates are sorted (torch.topk); a row whose
+    nucleus does not end among them (a flat distribution) sends the batch to a full sort, so
+    the result is exact either way."""
+    b, vocab = logits.shape
+    filtered = (top_k < vocab) | (top_p < 1.0)
+    with_k = top_k < vocab
+    k = min(vocab, max(_CANDIDATES, int(top_k[with_k].max()) if bool(with_k.any()) else 0))
+    vals, order = logits.topk(k, dim=-1)  # descending
+    rank = torch.arange(k, device=logits.device).unsqueeze(0)
+    drop = rank >= top_k.unsqueeze(1)
+    # A row with top_k normalises over its kept tokens; one without, over the whole vocabulary.
+    norm = torch.where(with_k.unsqueeze(1), torch.logsumexp(vals.masked_fill(drop, float("-inf")), -1, keepdim=True),
+                       torch.logsumexp(logits, -1, keepdim=True))
+    probs = (vals - norm).exp().masked_fill(drop, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs  # the first token always stays
+    covered = with_k | (probs.sum(dim=-1) >= top_p) | ~filtered
+    if k < vocab and not bool(covered.all()):
+        vals, order = logits.sort(dim=-1, descending=True)
+        return _keep(logits, vals, order, top_k, top_p, filtered)
+    return _keep(logits, vals, order, top_k, top_p, filtered, mass_before, drop)
+
+
+def _keep(logits, vals, order, top_k, top_p, filtered, mass_before=None, drop=None) -> torch.Tensor:
+    """Scatter each filtered row's kept prefix of ``vals`` (sorted descending, token ids in
+    ``order``) into a row of -inf; unfiltered rows are returned as they were."""
+    if mass_before is None:
+        rank = torch.arange(vals.shape[1], device=vals.device).unsqueeze(0)
+        drop = rank >= top_k.unsqueeze(1)
+        probs = torch.softmax(vals.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+    drop = drop | (mass_before >= top_p.unsqueeze(1))
+    kept = torch.full_like(logits, float("-inf")).scatter_(1, order, vals.masked_fill(drop, float("-inf")))
+    return torch.where(filtered.unsqueeze(1), kept, logits)
+
+
+def _row_seeds(params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """A seed per row for the native race: from (seed, index of the token being drawn) when
+    the request has a seed (the same draw however it was batched, chunked or preempted),
+    else from torch's global generator."""
+    seeds = torch.randint(0, 2**62, (len(params),), dtype=torch.long)
+    for row, p in enumerate(params):
+        if p.seed is not None:
+            seeds[row] = (p.seed * _SEED_MIX + len(outputs[row])) % 2**63
+    return seeds
 
 
 def _exponential_noise(params: list[SamplingParams], outputs: list[list[int]],

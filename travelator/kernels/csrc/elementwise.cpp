@@ -268,6 +268,50 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Sampling by exponential race: row r draws argmax_j (scores[r, j] - log E_j) with
+// E_j = -log U_j, U_j uniform from a counter-based generator (splitmix64 of seeds[r] and j):
+// a draw from softmax(scores[r]) that depends only on the row's seed, so the same whatever
+// the batch and however the work is split over threads. -inf scores (filtered tokens) never win.
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+at::Tensor exponential_race(const at::Tensor& scores, const at::Tensor& seeds) {
+  TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous() && scores.scalar_type() == at::kFloat,
+              "exponential_race: contiguous float32 [B, V] scores");
+  TORCH_CHECK(seeds.dim() == 1 && seeds.is_contiguous() && seeds.scalar_type() == at::kLong &&
+                  seeds.size(0) == scores.size(0), "exponential_race: int64 [B] seeds");
+  const int64_t vocab = scores.size(1);
+  at::Tensor out = at::empty({scores.size(0)}, seeds.options());
+  const float* sp = scores.data_ptr<float>();
+  const int64_t* seed = seeds.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, scores.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = sp + r * vocab;
+      const uint64_t base = static_cast<uint64_t>(seed[r]) * 0xD1B54A32D192ED03ull;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = -1;
+      for (int64_t j = 0; j < vocab; ++j) {
+        const float x = row[j];
+        if (!(x > -std::numeric_limits<float>::infinity())) continue;  // filtered (or NaN)
+        const uint64_t h = splitmix64(base + static_cast<uint64_t>(j));
+        const float u = (static_cast<float>(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+        const float s = x - std::log(-std::log(u));
+        if (s > best) {
+          best = s;
+          arg = j;
+        }
+      }
+      op[r] = arg < 0 ? 0 : arg;
+    }
+  });
+  return out;
+}
+
 // Structured outputs: logits[rows[k], j] = -inf where bit j of masks[k] is 0 (bit j%32 of
 // word j/32: llguidance's token bitmask). One pass over the masked rows only.
 template <typename T>
@@ -316,10 +360,12 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor masks, Tensor rows) -> ()");
+  m.def("exponential_race(Tensor scores, Tensor seeds) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, &apply_token_bitmask_);
+  m.impl("exponential_race", c10::DispatchKey::CPU, &exponential_race);
 }
