@@ -62,7 +62,7 @@ def main() -> None:
                                 eos_token=sorted(tk.eos_token_ids))
     t0 = time.perf_counter()
     for _ in range(20):
-        llguidance.LLMatcher(lt, structured.grammar_text())
+        llguidance.LLMatcher(lt, structured.grammar_text)
     compile_ms = (time.perf_counter() - t0) / 20 * 1e3
     base = statistics.mean([free, free2])
     print(f"{args.model} {args.dtype}, {args.batch} requests, load average {os.getloadavg()[0]:.2f}: "

@@ -39,8 +39,8 @@ class SamplingParams:
     # (0: the token's own only); None: not computed. Prompts asking for it skip the prefix
     # cache (a cached prefix has no logits), and only their rows pay for the LM head.
     prompt_logprobs: int | None = None
-    # The output must match this (JSON schema, regex, choice, grammar); it ends with EOS as
-    # soon as the grammar is complete, even with ignore_eos.
+    # The output must match this (JSON schema, regex, choice, grammar; checked when it is
+    # made); it ends with EOS as soon as the grammar is complete, even with ignore_eos.
     structured: StructuredOutput | None = None
     skip_special_tokens: bool = True
 
@@ -90,8 +90,6 @@ class SamplingParams:
                                       "prompt_logprobs")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
-        if self.structured is not None:
-            self.structured.validate()
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of ``n``: one sample, with its own seed (``seed +

@@ -10,7 +10,7 @@ to the tokens the grammar allows, and advances the matcher with the sampled toke
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -30,6 +30,9 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # Lark, as llguidance reads it
+    # The llguidance grammar (a JSON document), built and checked once, when the constraint is
+    # made: every copy of the request's parameters and its matcher share it.
+    grammar_text: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [self.json is not None, self.json_object, self.regex is not None,
@@ -40,6 +43,17 @@ class StructuredOutput:
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings",
                                       "structured_outputs.choice")
+        # Raise InvalidRequestError when the schema, regex or grammar does not compile.
+        text = ""
+        try:
+            text = self._build_grammar()
+            error = llguidance.LLMatcher.validate_grammar(text)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            error = str(exc)
+        if error:
+            raise InvalidRequestError(f"the {self.param.split('.')[-1]} constraint does not compile: {error}",
+                                      self.param)
+        object.__setattr__(self, "grammar_text", text)
 
     @property
     def param(self) -> str:
@@ -49,8 +63,7 @@ class StructuredOutput:
                 return f"structured_outputs.{name}"
         return "structured_outputs.json_object"
 
-    def grammar_text(self) -> str:
-        """The llguidance grammar (a JSON document) for this constraint."""
+    def _build_grammar(self) -> str:
         if self.json is not None:
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(self.json), defaults=_JSON_OPTIONS)
         if self.json_object:
@@ -63,13 +76,3 @@ class StructuredOutput:
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in self.choice))
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
-
-    def validate(self) -> None:
-        """Raise InvalidRequestError when the schema, regex or grammar does not compile."""
-        try:
-            error = llguidance.LLMatcher.validate_grammar(self.grammar_text())
-        except (ValueError, TypeError, RuntimeError) as exc:
-            error = str(exc)
-        if error:
-            raise InvalidRequestError(f"the {self.param.split('.')[-1]} constraint does not compile: {error}",
-                                      self.param)

@@ -46,7 +46,7 @@ class GrammarMasks:
         for k, (_, rid, params, outputs) in enumerate(rows):
             matcher = self._matchers.get(rid)
             if matcher is None:
-                matcher = llguidance.LLMatcher(self._llt(), params.structured.grammar_text())
+                matcher = llguidance.LLMatcher(self._llt(), params.structured.grammar_text)
                 if outputs and not matcher.consume_tokens(outputs):
                     raise RuntimeError(f"request {rid}: its output no longer matches its grammar: "
                                        f"{matcher.get_error()}")

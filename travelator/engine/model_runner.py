@@ -129,7 +129,7 @@ class ModelRunner:
             output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
             eos_token_ids=self.eos_token_ids,
         )
-        constrained = [(row, rid, s.sampling_params, s.token_ids[s.num_prompt_tokens:])
+        constrained = [(row, rid, s.sampling_params, batch.output_token_ids[row])
                        for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states))
                        if s.sampling_params.structured is not None]
         if constrained:
