@@ -156,36 +156,29 @@ def _filter_top_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     the kept ones) reaches top_p. Only the best candidates are sorted (torch.topk); a row whose
     nucleus does not end among them (a flat distribution) sends the batch to a full sort, so
     the result is exact either way."""
-    b, vocab = logits.shape
-    filtered = (top_k < vocab) | (top_p < 1.0)
+    vocab = logits.shape[1]
     with_k = top_k < vocab
+    filtered = with_k | (top_p < 1.0)
     k = min(vocab, max(_CANDIDATES, int(top_k[with_k].max()) if bool(with_k.any()) else 0))
     vals, order = logits.topk(k, dim=-1)  # descending
-    rank = torch.arange(k, device=logits.device).unsqueeze(0)
-    drop = rank >= top_k.unsqueeze(1)
-    # A row with top_k normalises over its kept tokens; one without, over the whole vocabulary.
-    norm = torch.where(with_k.unsqueeze(1), torch.logsumexp(vals.masked_fill(drop, float("-inf")), -1, keepdim=True),
-                       torch.logsumexp(logits, -1, keepdim=True))
-    probs = (vals - norm).exp().masked_fill(drop, 0.0)
-    mass_before = probs.cumsum(dim=-1) - probs  # the first token always stays
-    covered = with_k | (probs.sum(dim=-1) >= top_p) | ~filtered
-    if k < vocab and not bool(covered.all()):
+    drop, probs = _prefix_probs(logits, vals, top_k, with_k)
+    if k < vocab and not bool((with_k | (probs.sum(dim=-1) >= top_p) | ~filtered).all()):
         vals, order = logits.sort(dim=-1, descending=True)
-        return _keep(logits, vals, order, top_k, top_p, filtered)
-    return _keep(logits, vals, order, top_k, top_p, filtered, mass_before, drop)
-
-
-def _keep(logits, vals, order, top_k, top_p, filtered, mass_before=None, drop=None) -> torch.Tensor:
-    """Scatter each filtered row's kept prefix of ``vals`` (sorted descending, token ids in
-    ``order``) into a row of -inf; unfiltered rows are returned as they were."""
-    if mass_before is None:
-        rank = torch.arange(vals.shape[1], device=vals.device).unsqueeze(0)
-        drop = rank >= top_k.unsqueeze(1)
-        probs = torch.softmax(vals.masked_fill(drop, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-    drop = drop | (mass_before >= top_p.unsqueeze(1))
+        drop, probs = _prefix_probs(logits, vals, top_k, with_k)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)  # the first token always stays
     kept = torch.full_like(logits, float("-inf")).scatter_(1, order, vals.masked_fill(drop, float("-inf")))
     return torch.where(filtered.unsqueeze(1), kept, logits)
+
+
+def _prefix_probs(logits, vals, top_k, with_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``vals``, each row's best logits in descending order: which fall outside its top_k,
+    and their probabilities, over the kept ones for a row with top_k and over the whole
+    vocabulary for one without (0 for the dropped ones)."""
+    rank = torch.arange(vals.shape[1], device=vals.device).unsqueeze(0)
+    drop = rank >= top_k.unsqueeze(1)
+    norm = torch.where(with_k.unsqueeze(1), torch.logsumexp(vals.masked_fill(drop, float("-inf")), -1, keepdim=True),
+                       torch.logsumexp(logits, -1, keepdim=True))
+    return drop, (vals - norm).exp().masked_fill(drop, 0.0)
 
 
 def _row_seeds(params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
