@@ -5,9 +5,19 @@ sampled token. Unconstrained rows are not touched.
 A matcher is built the first time its request samples, from the request's grammar and the
 output tokens it already has, so a request readmitted after a preemption (whose runner state
 was rebuilt) resumes its grammar where it was.
+
+Filling a mask is the grammar's cost (tens of microseconds a row with a 32k vocabulary), so
+it is kept off the step's critical path: once a step has sampled, one background thread
+advances the matchers with the sampled tokens and fills their next masks while the next
+step's forward pass runs. llguidance releases the GIL for that work. The next step waits for
+it only where it is not done, and fills on the spot the masks of requests that were not in the
+previous step (new, or readmitted).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.torch
@@ -18,6 +28,14 @@ from travelator.model.tokenizer import Tokenizer
 from travelator.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class _NextMasks:
+    """Masks filled ahead, one row per request id, for the matchers' current states."""
+    masks: torch.Tensor  # [rows, words] int32
+    row_of: dict[str, int]
+    matchers: dict[str, llguidance.LLMatcher]  # the matcher each row was filled from
+
+
 class GrammarMasks:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, ops: TorchOps) -> None:
         self._tokenizer = tokenizer
@@ -25,9 +43,13 @@ class GrammarMasks:
         self._ops = ops
         self._lltokenizer: llguidance.LLTokenizer | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        # One llguidance thread: the forward pass already uses every core.
+        self._llexecutor = llguidance.LLExecutor(num_threads=1)
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self._pending: Future[_NextMasks] | None = None
 
     def _llt(self) -> llguidance.LLTokenizer:
-        if self._lltokenizer is None:  # a few ms; only once a constrained request comes
+        if self._lltokenizer is None:  # ~0.1 s; only once a constrained request comes
             self._lltokenizer = llguidance.LLTokenizer(
                 self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
                 eos_token=sorted(self._tokenizer.eos_token_ids))
@@ -36,26 +58,60 @@ class GrammarMasks:
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
+    def shutdown(self) -> None:
+        self._background.shutdown(wait=True, cancel_futures=True)
+
+    def _collect_pending(self) -> _NextMasks | None:
+        """Wait for the masks filled in the background; raise what went wrong there."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
     @torch.inference_mode()  # the logits are inference tensors
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, str, SamplingParams, list[int]]]) -> None:
         """Mask ``logits`` in place: for each (row, request id, params, its output tokens so
         far) of a constrained request, every token its grammar does not allow next is -inf."""
-        if not rows:
-            return
+        ahead = self._collect_pending()
         masks = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab_size)
+        filled_ahead: list[tuple[int, int]] = []  # (row of masks, row of ahead.masks)
+        to_fill = []
         for k, (_, rid, params, outputs) in enumerate(rows):
             matcher = self._matchers.get(rid)
+            if ahead is not None and rid in ahead.row_of and ahead.matchers[rid] is matcher:
+                filled_ahead.append((k, ahead.row_of[rid]))
+                continue
             if matcher is None:
                 matcher = llguidance.LLMatcher(self._llt(), params.structured.grammar_text)
                 if outputs and not matcher.consume_tokens(outputs):
                     raise RuntimeError(f"request {rid}: its output no longer matches its grammar: "
                                        f"{matcher.get_error()}")
                 self._matchers[rid] = matcher
-            llguidance.torch.fill_next_token_bitmask(matcher, masks, k)
+            to_fill.append((matcher, k))
+        if filled_ahead:
+            dst, src = zip(*filled_ahead)
+            masks[list(dst)] = ahead.masks[list(src)]
+        if to_fill:
+            llguidance.torch.fill_next_token_bitmask_par(self._llexecutor, to_fill, masks)
         index = torch.tensor([row for row, *_ in rows], dtype=torch.long, device=logits.device)
         self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
 
-    def advance(self, request_id: str, token_id: int) -> None:
-        matcher = self._matchers.get(request_id)
-        if matcher is not None and not matcher.consume_token(token_id):
-            raise RuntimeError(f"request {request_id}: token {token_id} broke its grammar: {matcher.get_error()}")
+    def advance(self, sampled: list[tuple[str, int]]) -> None:
+        """Advance each (request id, sampled token)'s matcher, and fill the masks of their
+        next step, in the background; the next ``apply`` collects them."""
+        if not sampled:
+            return
+        work = [(rid, self._matchers[rid], token) for rid, token in sampled]
+        self._collect_pending()  # one batch of background work at a time
+        self._pending = self._background.submit(self._advance_and_fill, work)
+
+    def _advance_and_fill(self, work: list[tuple[str, llguidance.LLMatcher, int]]) -> _NextMasks:
+        ok = self._llexecutor.consume_token_par([(matcher, token) for _, matcher, token in work])
+        for (rid, matcher, token), accepted in zip(work, ok):
+            if not accepted:
+                raise RuntimeError(f"request {rid}: token {token} broke its grammar: {matcher.get_error()}")
+        # A stopped matcher (its grammar complete and EOS taken) has no next mask.
+        live = [(rid, matcher) for rid, matcher, _ in work if not matcher.is_stopped()]
+        masks = llguidance.torch.allocate_token_bitmask(max(len(live), 1), self._vocab_size)
+        if live:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._llexecutor, [(matcher, k) for k, (_, matcher) in enumerate(live)], masks)
+        return _NextMasks(masks, {rid: k for k, (rid, _) in enumerate(live)}, dict(live))

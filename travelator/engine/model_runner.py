@@ -103,7 +103,9 @@ class ModelRunner:
         return set(self.states)
 
     def shutdown(self) -> None:
-        """Nothing to stop: a single runner lives in the engine's process."""
+        """Stop the grammar's background thread; the runner lives in the engine's process."""
+        if self.grammar is not None:
+            self.grammar.shutdown()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -137,8 +139,8 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without a tokenizer")
             self.grammar.apply(logits, constrained)
         result = sample(logits, batch, argmax=self.ops.argmax, race=self.ops.exponential_race)
-        for row, rid, _, _ in constrained:
-            self.grammar.advance(rid, result.token_ids[row])
+        if constrained:
+            self.grammar.advance([(rid, result.token_ids[row]) for row, rid, _, _ in constrained])
         sampled = {}
         for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states)):
             tok = result.token_ids[row]
