@@ -51,6 +51,35 @@ SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                       "b": {"anyOf": [{"type": "null"}, NAME]}},
      "required": ["a", "b"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "point"}, "xy": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 2}},
+     "required": ["kind", "xy"], "additionalProperties": False},
+    {"type": "object", "properties": {"grid": {"type": "array", "maxItems": 2, "items": {
+        "type": "array", "maxItems": 2, "items": {"enum": [0, 1]}}}}, "required": ["grid"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"shape": {"oneOf": [
+        {"type": "object", "properties": {"r": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["r"], "additionalProperties": False},
+        {"type": "object", "properties": {"w": {"type": "integer", "minimum": 1, "maximum": 9},
+                                          "h": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["w", "h"], "additionalProperties": False}]}},
+     "required": ["shape"], "additionalProperties": False},
+    {"type": "object", "properties": {"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"},
+                                      "done": {"type": "boolean"}},
+     "required": ["date", "done"], "additionalProperties": False},
+    {"type": "object", "properties": {"first": NAME, "nick": NAME}, "required": ["first"],
+     "additionalProperties": False},
+    {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 5},
+    {"type": "object", "properties": {"temp": {"type": "integer", "minimum": -40, "maximum": 50},
+                                      "unit": {"enum": ["C", "F"]}, "where": {"type": "object", "properties": {
+                                          "city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                                          "required": ["city", "zip"], "additionalProperties": False}},
+     "required": ["temp", "unit", "where"], "additionalProperties": False},
+    {"type": "boolean"},
+    {"type": "integer", "minimum": 100, "maximum": 999},
+    {"type": "object", "properties": {"pairs": {"type": "array", "maxItems": 3, "items": {
+        "type": "array", "prefixItems": [NAME, {"type": "integer", "minimum": 0, "maximum": 9}],
+        "items": False, "minItems": 2}}}, "required": ["pairs"], "additionalProperties": False},
 ]
 REGEXES = [r"[A-Z][a-z]{2,8} [0-9]{2}", r"(red|green|blue)-[0-9]{3}", r"[a-z]{1,8}@[a-z]{1,8}\.com"]
 CHOICES = [("cat", "dog", "big bird"), ("yes", "no")]
@@ -138,6 +167,8 @@ def test_server_response_format_and_structured_outputs():
         for body, param in [
             ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
             ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
+            # A schema feature the grammar engine does not implement: named, not ignored.
+            ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs.json"),
             ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ]:
             with pytest.raises(openai.BadRequestError) as err:
@@ -146,3 +177,26 @@ def test_server_response_format_and_structured_outputs():
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="stories", messages=msgs,
                                            response_format={"type": "xml"})
+
+
+def test_grammar_compile_time_limit_and_shared_templates():
+    llm = LLM(str(STORIES), dtype="float32")
+    # Matchers of one grammar are copies of one compiled template, each with its own state.
+    structured = StructuredOutput(choice=("cat", "dog"))
+    a, b = llm.engine.grammars.new_matcher(structured), llm.engine.grammars.new_matcher(structured)
+    assert a is not b
+    start = b.compute_bitmask()
+    first_allowed = next(i for i in range(len(start) * 8) if start[i // 8] >> (i % 8) & 1)
+    assert a.consume_token(first_allowed)
+    assert a.compute_bitmask() != start and b.compute_bitmask() == start
+    # A constraint that takes longer to compile than the server allows is a 400 for that
+    # request alone; the server goes on.
+    settings = ServerSettings(served_model_names=["stories"], grammar_compile_timeout_s=1e-6)
+    app = build_app(AsyncEngine(llm.engine), settings)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="stories", prompt="Once", max_tokens=5,
+                                      extra_body={"structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"}})
+        assert err.value.body["param"] == "structured_outputs" and "to compile" in err.value.body["message"]
+        assert client.completions.create(model="stories", prompt="Once", max_tokens=3).choices[0].text

@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+        grammar_compile_timeout_s=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
     )
     if args.enable_debug_endpoints:
         settings.enable_debug_endpoints = True
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="CORS: allowed methods when some origin is allowed (default: *)")
     srv.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER",
                      help="CORS: allowed request headers when some origin is allowed (default: *)")
+    srv.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                     help="seconds a request's output constraint (JSON schema, regex, grammar, forced "
+                          "tool call) may take to compile; past it the request gets a 400 (default 10)")
+    srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
+                     help="how tool calls are read out of the text with tool_choice auto: Hermes "
+                          "<tool_call> tags or Llama 3 JSON (default: auto, from the chat template)")
     srv.add_argument("--enable-debug-endpoints", action="store_true",
                      help="serve GET /debug/engine (block pool and request accounting); "
                           "also TRAVELATOR_DEBUG_ENDPOINTS=1")

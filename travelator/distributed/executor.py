@@ -41,11 +41,11 @@ from travelator.distributed.comm import (
 )
 from travelator.distributed.worker import STOP, Worker, WorkerSpec, rank_device, run_worker
 from travelator.engine.executor import Executor
+from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.model.arch import ModelArch
 from travelator.model.loader import WeightIterator
-from travelator.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class TensorParallelError(RuntimeError):
 def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
                   weights: WeightIterator | None, *, dtype: torch.dtype, kv_dtype: torch.dtype,
                   device: torch.device, max_model_len: int, seed: int,
-                  eos_token_ids: frozenset[int], tokenizer: Tokenizer | None = None) -> Executor:
+                  eos_token_ids: frozenset[int], grammars: GrammarCompiler | None = None) -> Executor:
     """A plain ModelRunner for one rank, or the driver of a tensor-parallel group.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank but 0
@@ -71,7 +71,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         return ModelRunner(arch, weights, dtype=dtype, kv_dtype=kv_dtype, device=device,
                            max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids,
                            kernels=model.kernels, batch_invariant=model.batch_invariant,
-                           tokenizer=tokenizer)
+                           grammars=grammars)
     check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
@@ -81,7 +81,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         raise SystemExit(0)
     spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
                       max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant)
-    return TPExecutor(spec, arch, weights, size, env, tokenizer)
+    return TPExecutor(spec, arch, weights, size, env, grammars)
 
 
 class _Group:
@@ -127,8 +127,8 @@ class TPExecutor:
     """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
     def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
-                 size: int, env: LaunchEnv | None, tokenizer: Tokenizer | None = None) -> None:
-        self._tokenizer = tokenizer  # the driver's runner masks constrained rows with it
+                 size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None) -> None:
+        self._grammars = grammars  # the driver's runner masks constrained rows with it
         self.size = size
         self._g = _Group()
         self._finalizer = weakref.finalize(self, _close, self._g)
@@ -169,7 +169,7 @@ class TPExecutor:
         self.runner = ModelRunner(
             arch, weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
             max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
-            kernels=spec.kernels, batch_invariant=spec.batch_invariant, tokenizer=self._tokenizer,
+            kernels=spec.kernels, batch_invariant=spec.batch_invariant, grammars=self._grammars,
             tp=group,
         )
         self.worker = Worker(self.runner)
@@ -310,3 +310,5 @@ class TPExecutor:
             if self._error is None:
                 self._error = "the tensor-parallel engine has been shut down"
         self._finalizer()
+        if hasattr(self, "runner"):  # not when the group failed to start
+            self.runner.shutdown()

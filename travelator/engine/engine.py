@@ -16,6 +16,7 @@ from travelator.config import EngineConfig
 from travelator.distributed.executor import TensorParallelError, make_executor
 from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.executor import Executor
+from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
@@ -73,11 +74,14 @@ class LLMEngine:
             config.cache.kv_cache_dtype, None, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
+        # Structured outputs: grammars compiled for this tokenizer, shared by the server's
+        # workers (which compile before a request is added) and the runner.
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         # One rank: a ModelRunner. Tensor parallel: the driver of the group.
         self.runner: Executor = make_executor(
             config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
             device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
-            eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids, grammars=self.grammars,
         )
         self.dtype = dtype
         block_size = config.cache.block_size

@@ -2,8 +2,8 @@
 request, a token mask per constrained row before sampling, and the matcher advanced with the
 sampled token. Unconstrained rows are not touched.
 
-A matcher is built the first time its request samples, from the request's grammar and the
-output tokens it already has, so a request readmitted after a preemption (whose runner state
+A matcher is made the first time its request samples (a copy of its grammar's compiled
+template, see GrammarCompiler), advanced over the output tokens the request already has, so a request readmitted after a preemption (whose runner state
 was rebuilt) resumes its grammar where it was.
 
 Filling a mask is the grammar's cost (tens of microseconds a row with a 32k vocabulary), so
@@ -23,8 +23,8 @@ import llguidance
 import llguidance.torch
 import torch
 
+from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.model.ops import TorchOps
-from travelator.model.tokenizer import Tokenizer
 from travelator.sampling_params import SamplingParams
 
 
@@ -37,23 +37,15 @@ class _NextMasks:
 
 
 class GrammarMasks:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, ops: TorchOps) -> None:
-        self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
+    def __init__(self, compiler: GrammarCompiler, ops: TorchOps) -> None:
+        self._compiler = compiler
+        self._vocab_size = compiler.vocab_size
         self._ops = ops
-        self._lltokenizer: llguidance.LLTokenizer | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         # One llguidance thread: the forward pass already uses every core.
         self._llexecutor = llguidance.LLExecutor(num_threads=1)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         self._pending: Future[_NextMasks] | None = None
-
-    def _llt(self) -> llguidance.LLTokenizer:
-        if self._lltokenizer is None:  # ~0.1 s; only once a constrained request comes
-            self._lltokenizer = llguidance.LLTokenizer(
-                self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
-                eos_token=sorted(self._tokenizer.eos_token_ids))
-        return self._lltokenizer
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -80,7 +72,7 @@ class GrammarMasks:
                 filled_ahead.append((k, ahead.row_of[rid]))
                 continue
             if matcher is None:
-                matcher = llguidance.LLMatcher(self._llt(), params.structured.grammar_text)
+                matcher = self._compiler.new_matcher(params.structured)
                 if outputs and not matcher.consume_tokens(outputs):
                     raise RuntimeError(f"request {rid}: its output no longer matches its grammar: "
                                        f"{matcher.get_error()}")

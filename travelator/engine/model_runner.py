@@ -16,15 +16,20 @@ import numpy as np
 import torch
 
 from travelator.distributed.comm import TPGroup
+from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
-from travelator.engine.scheduler_output import PromptLogprobs, RunnerOutput, SampledToken, SchedulerOutput
+from travelator.engine.scheduler_output import (
+    PromptLogprobs,
+    RunnerOutput,
+    SampledToken,
+    SchedulerOutput,
+)
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata
 from travelator.model.llama import LlamaModel
-from travelator.model.ops import make_ops
 from travelator.model.loader import WeightIterator
+from travelator.model.ops import make_ops
 from travelator.model.sampler import SamplingBatch, sample
-from travelator.model.tokenizer import Tokenizer
 from travelator.sampling_params import SamplingParams
 
 
@@ -57,11 +62,11 @@ class ModelRunner:
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
                  kernels: str = "auto", batch_invariant: bool = False,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 grammars: GrammarCompiler | None = None) -> None:
         self.arch = arch
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         # Structured outputs: masks for constrained rows (on the rank that samples).
-        self.grammar = GrammarMasks(tokenizer, arch.vocab_size, self.ops) if tokenizer is not None else None
+        self.grammar = GrammarMasks(grammars, self.ops) if grammars is not None else None
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -136,7 +141,7 @@ class ModelRunner:
                        if s.sampling_params.structured is not None]
         if constrained:
             if self.grammar is None:
-                raise RuntimeError("a constrained request reached a runner without a tokenizer")
+                raise RuntimeError("a constrained request reached a runner without a grammar compiler")
             self.grammar.apply(logits, constrained)
         result = sample(logits, batch, argmax=self.ops.argmax, race=self.ops.exponential_race)
         if constrained:

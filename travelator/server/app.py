@@ -30,8 +30,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
@@ -39,7 +39,6 @@ from starlette.requests import ClientDisconnect
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
-from travelator.server.responses import create_response
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from travelator.server.protocol import (
@@ -53,6 +52,7 @@ from travelator.server.protocol import (
     ResponseObject,
     ResponsesRequest,
 )
+from travelator.server.responses import create_response
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
 from travelator.server.tokenize import (

@@ -10,7 +10,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from travelator.engine.outputs import RequestOutput
-from travelator.errors import InvalidRequestError
+from travelator.server.constraints import (
+    ConstraintSpec,
+    response_format_spec,
+    structured_outputs_spec,
+)
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.logprobs import TokenTexts, chat_logprobs
@@ -30,6 +34,13 @@ from travelator.server.protocol import (
 )
 from travelator.server.serving import EnginePrompt, OpenAIServing, usage
 from travelator.server.streaming import event_stream, json_response, sse
+from travelator.server.tools import (
+    ToolCallReader,
+    ToolPlan,
+    finish_reason,
+    plan_tools,
+    template_messages_tool_calls,
+)
 from travelator.structured import StructuredOutput
 
 
@@ -45,6 +56,11 @@ class ChatRun:
     texts: list[TokenTexts] | None  # per choice, when logprobs were asked for
     top_logprobs: int
     include_usage: bool
+    tools: ToolPlan | None
+
+    def tool_reader(self) -> ToolCallReader | None:
+        """Reads one choice's tool calls, when tools may be called."""
+        return ToolCallReader(self.tools) if self.tools is not None and self.tools.mode != "none" else None
 
     def logprobs(self, choice: int, out: RequestOutput) -> list[ChatTokenLogprob] | None:
         if self.texts is None:
@@ -56,10 +72,9 @@ class ChatRun:
                                        choices=choices, usage=totals))
 
 
-def _prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> EnginePrompt:
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    text = render_messages(serving, req.messages, req.add_generation_prompt)
+def _prompt(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None) -> EnginePrompt:
+    text = render_messages(serving, req.messages, req.add_generation_prompt,
+                           tools.tools if tools is not None else None)
     ids = serving.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise APIError(400, "the messages render to an empty prompt", param="messages")
@@ -67,9 +82,10 @@ def _prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> EnginePrompt:
 
 
 def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
-                    add_generation_prompt: bool) -> str:
-    """The prompt text of ``chat_messages`` through the model's chat template (also what
-    ``POST /tokenize`` encodes for a chat body)."""
+                    add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    """The prompt text of ``chat_messages`` (and of the ``tools`` offered, for templates that
+    render them) through the model's chat template (also what ``POST /tokenize`` encodes for
+    a chat body)."""
     messages = []
     for i, m in enumerate(chat_messages):
         content = m.content
@@ -84,55 +100,53 @@ def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = template_messages_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    extra = {"tools": tools} if tools else {}
     try:
-        return serving.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return serving.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except jinja2.TemplateError as exc:
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
 
 
-def _response_format(fmt: dict | None) -> StructuredOutput | None:
-    """OpenAI's response_format: text (no constraint), json_object, or json_schema (its
-    ``schema``, strict or not: the output always matches it here)."""
-    kind = (fmt or {}).get("type", "text")
-    if kind == "text":
-        return None
-    try:
-        if kind == "json_object":
-            return StructuredOutput(json_object=True)
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
-                               param="response_format.json_schema")
-            return StructuredOutput(json=spec.get("schema", {}))
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param="response_format") from None
-    raise APIError(400, f"response_format {kind!r} is not supported (text, json_object, json_schema)",
-                   param="response_format")
+def _constraint(req: ChatCompletionRequest, tools: ToolPlan | None) -> ConstraintSpec | None:
+    """At most one constraint: a forced tool call, response_format, or structured_outputs."""
+    forced = tools.forced_schema() if tools is not None else None
+    given = [spec for spec in (
+        ConstraintSpec({"json": forced}, "tools") if forced is not None else None,
+        response_format_spec(req.response_format),
+        structured_outputs_spec(req.structured_outputs)) if spec is not None]
+    if len(given) > 1:
+        raise APIError(400, f"{given[0].param} and {given[1].param} both constrain the output; give one",
+                       param=given[1].param)
+    return given[0] if given else None
 
 
-def _start(serving: OpenAIServing, req: ChatCompletionRequest) -> ChatRun:
+def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None,
+           structured: StructuredOutput | None) -> ChatRun:
     model = serving.resolve_model(req.model)
-    prompt = _prompt(serving, req)
+    prompt = _prompt(serving, req, tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
-    params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None,
-                                     structured=_response_format(req.response_format))
+    params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None, structured=structured)
     gen = serving.start([prompt], params, req, "messages", "chatcmpl")
     texts = None
     if req.logprobs:
         texts = [TokenTexts(serving.tokenizer, prompt.token_ids, params.skip_special_tokens)
                  for _ in range(params.n)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ChatRun(gen, model, now(), prompt, params.n, texts, top_n, include_usage)
+    return ChatRun(gen, model, now(), prompt, params.n, texts, top_n, include_usage, tools)
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
                                  request: Request) -> Response:
-    run = _start(serving, req)
+    tools = plan_tools(req, serving.tool_call_format)
+    run = _start(serving, req, tools, await serving.constraints.compile(_constraint(req, tools)))
     if req.stream:
         return event_stream(run.gen, _stream(run))
     lps: list[list[ChatTokenLogprob]] = [[] for _ in range(run.n)]
@@ -143,32 +157,51 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     finals = await serving.collect(request, run.gen, run.n, on_output)
     if finals is None:  # the client left; nobody reads this
         return Response(status_code=499)
-    choices = [
-        ChatChoice(index=i, message=AssistantMessage(content=out.text),
-                   logprobs=ChatLogprobs(content=lps[i]) if run.texts is not None else None,
-                   finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-        for i, out in enumerate(finals)
-    ]
+    choices = []
+    for i, out in enumerate(finals):
+        content, calls, reason = out.text, [], out.finish_reason
+        reader = run.tool_reader()
+        if reader is not None:
+            content = reader.feed(out.text)[0] + reader.finish()[0]
+            calls, reason = reader.calls, finish_reason(run.tools, reader, out.finish_reason)
+            if calls and not content:
+                content = None
+        choices.append(ChatChoice(
+            index=i, message=AssistantMessage(content=content, tool_calls=calls),
+            logprobs=ChatLogprobs(content=lps[i]) if run.texts is not None else None,
+            finish_reason=reason, stop_reason=out.stop_reason))
     return json_response(ChatCompletionResponse(
         id=run.gen.id, created=run.created, model=run.model, choices=choices,
         usage=usage([run.prompt], finals, run.n)))
 
 
 async def _stream(run: ChatRun) -> AsyncIterator[str]:
-    """A first chunk with the role per choice, content deltas, a last chunk with the finish
-    reason per choice, and the usage when asked for."""
+    """A first chunk with the role per choice, content (and tool-call) deltas, a last chunk
+    with the finish reason per choice, and the usage when asked for."""
     for i in range(run.n):
         yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     finals: list[RequestOutput | None] = [None] * run.n
+    readers = [run.tool_reader() for _ in range(run.n)]
     async for i, out in run.gen.outputs():
         lp = run.logprobs(i, out)
-        if out.new_token_ids or out.new_text or lp:  # one chunk per token step, as vLLM
+        reader = readers[i]
+        content, calls = reader.feed(out.new_text) if reader is not None else (out.new_text, [])
+        # One chunk per token step, as vLLM (text a tool-call reader holds back still counts).
+        if out.new_token_ids or content or calls or lp:
             yield run.chunk([ChatChunkChoice(
-                index=i, delta=DeltaMessage(content=out.new_text),
+                index=i, delta=DeltaMessage(content=content if reader is None or content else None,
+                                            tool_calls=calls or None),
                 logprobs=ChatLogprobs(content=lp) if lp is not None else None)])
         if out.finished:
             finals[i] = out
-            yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=out.finish_reason,
+            reason = out.finish_reason
+            if reader is not None:
+                content, calls = reader.finish()
+                if content or calls:
+                    yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(
+                        content=content or None, tool_calls=calls or None))])
+                reason = finish_reason(run.tools, reader, out.finish_reason)
+            yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
                                              stop_reason=out.stop_reason)])
     if run.include_usage:
         yield run.chunk([], usage([run.prompt], finals, run.n))

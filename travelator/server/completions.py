@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from travelator.engine.outputs import RequestOutput
+from travelator.server.constraints import structured_outputs_spec
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.logprobs import CompletionLogprobsBuilder, TokenTexts, vllm_prompt_logprobs
@@ -22,6 +23,7 @@ from travelator.server.protocol import (
 )
 from travelator.server.serving import EnginePrompt, OpenAIServing, usage
 from travelator.server.streaming import event_stream, json_response, sse
+from travelator.structured import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -77,7 +79,7 @@ def _prompts(serving: OpenAIServing, prompt) -> list[EnginePrompt]:
     return prompts
 
 
-def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
+def _start(serving: OpenAIServing, req: CompletionRequest, structured: StructuredOutput | None) -> CompletionRun:
     model = serving.resolve_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -89,7 +91,7 @@ def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
     # so does vLLM's prompt_logprobs field. The engine computes the larger of the two.
     wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
     params = serving.sampling_params(req, max_tokens, req.logprobs,
-                                     prompt_logprobs=max(wanted) if wanted else None)
+                                     prompt_logprobs=max(wanted) if wanted else None, structured=structured)
     gen = serving.start(prompts, params, req, "prompt", "cmpl")
     echo_texts = None
     if req.echo:
@@ -106,7 +108,7 @@ def _start(serving: OpenAIServing, req: CompletionRequest) -> CompletionRun:
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
-    run = _start(serving, req)
+    run = _start(serving, req, await serving.constraints.compile(structured_outputs_spec(req.structured_outputs)))
     if req.stream:
         return event_stream(run.gen, _stream(run))
     builders = run.logprobs

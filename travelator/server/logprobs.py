@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from travelator.engine.outputs import TokenLogprob
-from travelator.server.protocol import ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
+from travelator.server.protocol import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    TopLogprob,
+)
 
 
 class TokenTexts:

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 
 from travelator.engine.outputs import RequestOutput
 from travelator.server.chat import render_messages
+from travelator.server.constraints import structured_outputs_spec
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.protocol import (
@@ -34,6 +35,7 @@ from travelator.server.protocol import (
 )
 from travelator.server.serving import EnginePrompt, OpenAIServing
 from travelator.server.streaming import event_stream, json_response
+from travelator.structured import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -73,7 +75,7 @@ def _messages(req: ResponsesRequest) -> list[ChatMessage]:
     return messages
 
 
-def _start(serving: OpenAIServing, req: ResponsesRequest) -> ResponseRun:
+def _start(serving: OpenAIServing, req: ResponsesRequest, structured: StructuredOutput | None) -> ResponseRun:
     model = serving.resolve_model(req.model)
     if req.previous_response_id is not None:
         raise APIError(400, "responses are not stored here, so previous_response_id cannot be used; "
@@ -86,13 +88,13 @@ def _start(serving: OpenAIServing, req: ResponsesRequest) -> ResponseRun:
     prompt = EnginePrompt(text, serving.tokenizer.encode(text, add_special_tokens=False))
     if not prompt.token_ids:
         raise APIError(400, "the input renders to an empty prompt", param="input")
-    params = serving.sampling_params(req, req.max_output_tokens, None)
+    params = serving.sampling_params(req, req.max_output_tokens, None, structured=structured)
     gen = serving.start([prompt], params, req, "input", "resp")
     return ResponseRun(gen, req, model, prompt)
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest, request: Request) -> Response:
-    run = _start(serving, req)
+    run = _start(serving, req, await serving.constraints.compile(structured_outputs_spec(req.structured_outputs)))
     if req.stream:
         return event_stream(run.gen, _stream(run))
     finals = await serving.collect(request, run.gen, 1, lambda i, out: None)

@@ -10,7 +10,6 @@ engine state; queue lengths). A request's sub-requests are all validated before 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,13 +21,15 @@ from travelator.engine.async_engine import AsyncEngine, EngineDeadError
 from travelator.engine.outputs import RequestOutput
 from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.sampling_params import SamplingParams
-from travelator.structured import StructuredOutput
+from travelator.server.constraints import ConstraintCompiler
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation, SubRequest
 from travelator.server.metrics import ServerMetrics
-from travelator.server.protocol import PromptTokensDetails, SamplingFields, StructuredOutputs, Usage, random_id
+from travelator.server.protocol import PromptTokensDetails, SamplingFields, Usage, random_id
 from travelator.server.settings import ServerSettings
 from travelator.server.streaming import unless_disconnected
+from travelator.server.tools import ToolCallFormat, detect_tool_call_format
+from travelator.structured import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +54,6 @@ def usage(prompts: list[EnginePrompt], finals: list[RequestOutput], n: int) -> U
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _structured(fields: StructuredOutputs | None) -> StructuredOutput | None:
-    """vLLM's structured_outputs as a constraint (a 400 naming the field when it is bad)."""
-    if fields is None:
-        return None
-    schema = fields.json_
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"structured_outputs.json is not JSON: {exc}", param="structured_outputs.json") from None
-    try:
-        return StructuredOutput(json=schema, json_object=bool(fields.json_object), regex=fields.regex,
-                                choice=tuple(fields.choice) if fields.choice is not None else None,
-                                grammar=fields.grammar)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
-
-
 class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
                  served_model_names: list[str]) -> None:
@@ -82,6 +65,10 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.constraints = ConstraintCompiler(self.engine.grammars, settings.grammar_compile_timeout_s)
+        self.tool_call_format: ToolCallFormat = (
+            detect_tool_call_format(self.tokenizer.chat_template) if settings.tool_call_parser == "auto"
+            else settings.tool_call_parser)
 
     # ---- checks ------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -120,7 +107,7 @@ class OpenAIServing:
         kw: dict[str, Any] = {
             "n": n, "max_tokens": max_tokens, "seed": req.seed, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
-            "structured": structured if structured is not None else _structured(req.structured_outputs),
+            "structured": structured,
             "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
             "min_tokens": req.min_tokens, "skip_special_tokens": req.skip_special_tokens,

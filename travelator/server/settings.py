@@ -44,6 +44,14 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    # Structured outputs: a constraint (schema, regex, grammar, forced tool call) compiles on a
+    # worker thread before its request reaches the engine; past this many seconds the request
+    # gets a 400. Compiled grammars are kept for later requests that use the same one.
+    grammar_compile_timeout_s: float = 10.0
+    # How tool calls are read out of a model's text with tool_choice "auto": "hermes"
+    # (<tool_call>{...}</tool_call>), "llama3_json" ({"name": ..., "parameters": ...}), or
+    # "auto": from the chat template (Hermes tags where it has them).
+    tool_call_parser: str = "auto"
 
     def validate(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -58,5 +66,9 @@ class ServerSettings:
             raise ValueError(f"shutdown_grace_s must be non-negative, got {self.shutdown_grace_s}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
+        if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
+            raise ValueError(f"unknown tool_call_parser {self.tool_call_parser!r}; use auto, hermes or llama3_json")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")

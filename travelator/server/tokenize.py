@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from travelator.server.chat import render_messages
 from travelator.server.errors import APIError
-from travelator.server.protocol import ChatMessage, TokenIds
+from travelator.server.protocol import ChatMessage, ChatTool, TokenIds
 from travelator.server.serving import OpenAIServing
 
 
@@ -33,6 +33,7 @@ class TokenizeChatRequest(BaseModel):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None  # rendered as chat completions render them
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes BOS itself
     return_token_strs: bool = False
@@ -64,7 +65,8 @@ def tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeCh
     serving.resolve_model(req.model)
     tk = serving.tokenizer
     if isinstance(req, TokenizeChatRequest):
-        text = render_messages(serving, req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        text = render_messages(serving, req.messages, req.add_generation_prompt, tools)
     else:
         text = req.prompt
     ids = tk.encode(text, add_special_tokens=req.add_special_tokens)

@@ -1,0 +1,106 @@
+"""Output constraints of HTTP requests: read from the fields a client set (vLLM's
+``structured_outputs``, OpenAI's ``response_format``, a forced tool call), then compiled on a
+worker thread, never on the event loop or the engine's step thread.
+
+A request whose constraint is compiling waits for it alone; other requests go on. A constraint
+that does not compile, or takes longer than the server's time limit, is a 400 naming the field.
+Compiled constraints are kept (least recently used out first), keyed by what the client sent,
+so a schema sent again costs nothing; the engine's GrammarCompiler keeps the compiled matcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from travelator.engine.grammar_compiler import GrammarCompiler
+from travelator.errors import InvalidRequestError
+from travelator.server.errors import APIError
+from travelator.server.protocol import StructuredOutputs
+from travelator.structured import StructuredOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """What a client asked for: StructuredOutput's fields, and the request field it came from."""
+    fields: dict[str, Any]
+    param: str
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.fields, sort_keys=True)
+
+
+def structured_outputs_spec(fields: StructuredOutputs | None) -> ConstraintSpec | None:
+    """vLLM's ``structured_outputs``."""
+    if fields is None:
+        return None
+    schema = fields.json_
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"structured_outputs.json is not JSON: {exc}", param="structured_outputs.json") from None
+    given = {"json": schema, "json_object": bool(fields.json_object) or None, "regex": fields.regex,
+             "choice": fields.choice, "grammar": fields.grammar}
+    return ConstraintSpec({k: v for k, v in given.items() if v is not None}, "structured_outputs")
+
+
+def response_format_spec(fmt: dict | None) -> ConstraintSpec | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object, or json_schema (its
+    ``schema``, strict or not: the output always matches it here)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec({"json_object": True}, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
+                           param="response_format.json_schema")
+        return ConstraintSpec({"json": spec.get("schema", {})}, "response_format")
+    raise APIError(400, f"response_format {kind!r} is not supported (text, json_object, json_schema)",
+                   param="response_format")
+
+
+class ConstraintCompiler:
+    def __init__(self, grammars: GrammarCompiler, timeout_s: float, cache_size: int = 256) -> None:
+        self._grammars = grammars
+        self._timeout_s = timeout_s
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[str, StructuredOutput] = OrderedDict()
+
+    async def compile(self, spec: ConstraintSpec | None) -> StructuredOutput | None:
+        if spec is None:
+            return None
+        key = spec.key
+        structured = self._compiled.get(key)
+        if structured is not None:
+            self._compiled.move_to_end(key)
+            return structured
+        try:
+            structured = await asyncio.wait_for(asyncio.to_thread(self._build, spec), self._timeout_s)
+        except TimeoutError:
+            raise APIError(400, f"the {spec.param} constraint took more than {self._timeout_s:g} s to "
+                                f"compile", param=spec.param) from None
+        except InvalidRequestError as exc:
+            # StructuredOutput names its own field (structured_outputs.regex, ...); name the
+            # field the client used when it was another.
+            param = exc.param if spec.param == "structured_outputs" and exc.param else spec.param
+            raise APIError(400, str(exc), param=param) from None
+        self._compiled[key] = structured
+        while len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
+        return structured
+
+    def _build(self, spec: ConstraintSpec) -> StructuredOutput:
+        fields = dict(spec.fields)
+        if "choice" in fields:
+            fields["choice"] = tuple(fields["choice"])
+        structured = StructuredOutput(**fields)
+        self._grammars.compile(structured)
+        return structured
