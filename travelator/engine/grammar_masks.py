@@ -31,9 +31,9 @@ from travelator.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class _NextMasks:
     """Masks filled ahead, one row per request id, for the matchers' current states."""
-    masks: torch.Tensor  # [rows, words] int32
+    masks: torch.Tensor  # [rows, words] int32, no more rows than matchers
     row_of: dict[str, int]
-    matchers: dict[str, llguidance.LLMatcher]  # the matcher each row was filled from
+    matchers: dict[str, llguidance.LLMatcher]  # the matcher each row was filled from, in row order
 
 
 class GrammarMasks:
@@ -63,13 +63,12 @@ class GrammarMasks:
         """Mask ``logits`` in place: for each (row, request id, params, its output tokens so
         far) of a constrained request, every token its grammar does not allow next is -inf."""
         ahead = self._collect_pending()
-        masks = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab_size)
-        filled_ahead: list[tuple[int, int]] = []  # (row of masks, row of ahead.masks)
+        sources: list[int] = []  # per row, its row in ahead.masks (-1: fill it now)
         to_fill = []
         for k, (_, rid, params, outputs) in enumerate(rows):
             matcher = self._matchers.get(rid)
-            if ahead is not None and rid in ahead.row_of and ahead.matchers[rid] is matcher:
-                filled_ahead.append((k, ahead.row_of[rid]))
+            if ahead is not None and matcher is not None and ahead.matchers.get(rid) is matcher:
+                sources.append(ahead.row_of[rid])
                 continue
             if matcher is None:
                 matcher = self._compiler.new_matcher(params.structured)
@@ -77,12 +76,18 @@ class GrammarMasks:
                     raise RuntimeError(f"request {rid}: its output no longer matches its grammar: "
                                        f"{matcher.get_error()}")
                 self._matchers[rid] = matcher
+            sources.append(-1)
             to_fill.append((matcher, k))
-        if filled_ahead:
-            dst, src = zip(*filled_ahead)
-            masks[list(dst)] = ahead.masks[list(src)]
-        if to_fill:
-            llguidance.torch.fill_next_token_bitmask_par(self._llexecutor, to_fill, masks)
+        if ahead is not None and not to_fill and sources == list(range(len(ahead.matchers))):
+            masks = ahead.masks  # the usual step: the same rows in the same order
+        else:
+            masks = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab_size)
+            kept = [(k, src) for k, src in enumerate(sources) if src >= 0]
+            if kept:
+                dst, src = zip(*kept)
+                masks[list(dst)] = ahead.masks[list(src)]
+            if to_fill:
+                llguidance.torch.fill_next_token_bitmask_par(self._llexecutor, to_fill, masks)
         index = torch.tensor([row for row, *_ in rows], dtype=torch.long, device=logits.device)
         self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
 
