@@ -200,3 +200,40 @@ def test_grammar_compile_time_limit_and_shared_templates():
                                       extra_body={"structured_outputs": {"regex": "[a-z]{3} [0-9]{2}"}})
         assert err.value.body["param"] == "structured_outputs" and "to compile" in err.value.body["message"]
         assert client.completions.create(model="stories", prompt="Once", max_tokens=3).choices[0].text
+
+
+def test_a_token_its_grammar_refuses_fails_that_request_alone(monkeypatch):
+    # With the masks switched off, the model writes what it likes: the grammar refuses the
+    # first token, and that request alone ends with an error in that very step.
+    llm = LLM(str(STORIES), dtype="float32")
+    monkeypatch.setattr(llm.engine.runner.ops, "apply_token_bitmask", lambda logits, masks, rows: None)
+    engine = llm.engine
+    bad = engine.add_request("Once upon a time", SamplingParams(temperature=0.0, max_tokens=20, structured=StructuredOutput(
+        choice=("zzz",))))
+    free = engine.add_request("Lily and Tom", SamplingParams(max_tokens=20))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[bad.request_id].finish_reason == "error", finals[bad.request_id]
+    assert "broke its grammar" in finals[bad.request_id].error
+    assert finals[bad.request_id].output_token_ids == []
+    assert finals[free.request_id].finish_reason == "length" and len(finals[free.request_id].output_token_ids) == 20
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured=StructuredOutput(choice=("a",))).validate()
+
+
+def test_property_order_is_the_schema_order():
+    llm = LLM(str(STORIES), dtype="float32")
+    app = build_app(AsyncEngine(llm.engine), ServerSettings(served_model_names=["stories"]))
+    props = {"a": {"enum": [1, 2]}, "b": {"enum": [3, 4]}}
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        for order in (["a", "b"], ["b", "a"]):
+            schema = {"type": "object", "properties": {k: props[k] for k in order}, "required": order,
+                      "additionalProperties": False}
+            # response_format on completions too, as vLLM takes it.
+            c = client.completions.create(model="stories", prompt="Once", max_tokens=30, extra_body={
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+            assert list(json.loads(c.choices[0].text)) == order

@@ -93,6 +93,8 @@ def test_hermes_calls_are_read_whole_and_streamed(piece):
     assert _read(plan, "I use <tags> and <tool_ words.", piece) == ("I use <tags> and <tool_ words.", [])
     broken = "Try <tool_call>{not json}</tool_call> then"
     assert _read(plan, broken, piece) == (broken, [])
+    unknown = 'A <tool_call>{"name": "fly", "arguments": {}}</tool_call>'
+    assert _read(plan, unknown, piece) == (unknown, [])
     # A call cut off without its closing tag still counts when its JSON is whole.
     assert _read(plan, '<tool_call>{"name": "set_alarm", "arguments": {"hour": 1, "label": ""}}', piece) == (
         "", [("set_alarm", {"hour": 1, "label": ""})])
@@ -107,6 +109,10 @@ def test_llama3_json_calls_are_read(piece):
                        '{"name": "get_weather", "parameters": {"city": "Rome", "days": 3}}', piece) == (
         "", [("set_alarm", {"hour": 2, "label": "x"}), ("get_weather", {"city": "Rome", "days": 3})])
     assert _read(plan, "  It is sunny {today}.", piece) == ("  It is sunny {today}.", [])
+    # A semicolon inside a string is not a separator; JSON naming no offered tool is an answer.
+    assert _read(plan, '{"name": "set_alarm", "parameters": {"hour": 1, "label": "a;b"}}', piece) == (
+        "", [("set_alarm", {"hour": 1, "label": "a;b"})])
+    assert _read(plan, '{"name": "Bob", "age": 3}', piece) == ('{"name": "Bob", "age": 3}', [])
     assert _read(plan, '{"name": "get_weather", "parameters": {"ci', piece) == (
         '{"name": "get_weather", "parameters": {"ci', [])
 
@@ -137,6 +143,18 @@ def test_forced_schema_and_bad_choices():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert _plan("none").forced_schema() is None and _plan("auto").forced_schema() is None
+    # Tools whose schemas use $defs (as pydantic writes them) keep working when nested.
+    point = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"],
+             "$defs": {"Loc": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                                tools=[{"type": "function", "function": {"name": "go", "parameters": point}},
+                                       {"type": "function", "function": {"name": "stay", "parameters": point}}])
+    schema = plan_tools(req, "hermes").forced_schema()
+    jsonschema.validate([{"name": "go", "parameters": {"at": {"x": 1}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"at": {"x": "one"}}}], schema)
+    from travelator.structured import StructuredOutput
+    StructuredOutput(json=schema)  # compiles
     assert _plan({"type": "function", "function": {"name": "get_weather"}}).forced_schema() == WEATHER
     assert detect_tool_call_format(TEMPLATE) == "hermes"
     assert detect_tool_call_format("{{ '<|python_tag|>' }}{% if m.role == 'ipython' %}") == "llama3_json"

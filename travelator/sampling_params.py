@@ -83,6 +83,10 @@ class SamplingParams:
                                       "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens must not exceed max_tokens", "min_tokens")
+        if self.min_tokens and self.structured is not None:
+            # A complete grammar allows only EOS, which min_tokens forbids: nothing is left.
+            raise InvalidRequestError("min_tokens cannot be combined with a structured-output constraint",
+                                      "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}", "logprobs")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:

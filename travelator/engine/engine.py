@@ -194,6 +194,10 @@ class LLMEngine:
                 f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
                 f"{n + max_tokens}, more than the context of {self.max_model_len} tokens",
                 "max_tokens")
+        if params.structured is not None:
+            # Compiled here, on the caller's thread, so the step finds it ready (a lookup
+            # when the server compiled it already).
+            self.grammars.compile(params.structured)
         return Request(
             request_id=request_id or self.make_request_id(),
             prompt_token_ids=token_ids,
@@ -269,9 +273,11 @@ class LLMEngine:
                          len(out.num_scheduled_tokens), traceback.format_exc())
             return self._fail_step(list(out.num_scheduled_tokens), exc)
         t_update = time.perf_counter()
+        # Requests the runner could not carry on end here; the update passes over them.
+        outputs = self._fail_requests(result.failed)
         updated = self.scheduler.update_from_output(out, result)
-        outputs = [self._token_output(req, tok) if tok is not None else self._finish_output(req)
-                   for req, tok in updated]
+        outputs += [self._token_output(req, tok) if tok is not None else self._finish_output(req)
+                    for req, tok in updated]
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, time.perf_counter() - t0)
         return outputs
@@ -345,11 +351,16 @@ class LLMEngine:
                          zip(req.prompt_token_ids[1:], req.prompt_logprobs)]
 
     def _fail_step(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
-        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        return self._fail_requests({rid: f"{type(exc).__name__}: {exc}" for rid in request_ids})
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End the requests of ``errors`` (request id -> why) with finish_reason "error"."""
+        if not errors:
+            return []
         outputs = []
-        for req in done:
+        for req in self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
             o = self._finish_output(req)
-            o.error = f"{type(exc).__name__}: {exc}"
+            o.error = errors[req.request_id]
             outputs.append(o)
         return outputs
 

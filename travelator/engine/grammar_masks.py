@@ -7,9 +7,8 @@ template, see GrammarCompiler), advanced over the output tokens the request alre
 was rebuilt) resumes its grammar where it was.
 
 Filling a mask is the grammar's cost (tens of microseconds a row with a 32k vocabulary), so
-it is kept off the step's critical path: once a step has sampled, one background thread
-advances the matchers with the sampled tokens and fills their next masks while the next
-step's forward pass runs. llguidance releases the GIL for that work. The next step waits for
+it is kept off the step's critical path: once a step has sampled and advanced the matchers
+(cheap), one background thread fills their next masks while the next step's forward pass runs. llguidance releases the GIL for that work. The next step waits for
 it only where it is not done, and fills on the spot the masks of requests that were not in the
 previous step (new, or readmitted).
 """
@@ -91,24 +90,28 @@ class GrammarMasks:
         index = torch.tensor([row for row, *_ in rows], dtype=torch.long, device=logits.device)
         self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
 
-    def advance(self, sampled: list[tuple[str, int]]) -> None:
-        """Advance each (request id, sampled token)'s matcher, and fill the masks of their
-        next step, in the background; the next ``apply`` collects them."""
+    def advance(self, sampled: list[tuple[str, int]]) -> dict[str, str]:
+        """Advance each (request id, sampled token)'s matcher (here: a refused token must
+        fail its own request in this step), then fill the masks of their next step in the
+        background; the next ``apply`` collects them. Returns request id -> error for the
+        requests whose token their grammar refused (a bug: the mask allowed it)."""
         if not sampled:
-            return
-        work = [(rid, self._matchers[rid], token) for rid, token in sampled]
+            return {}
         self._collect_pending()  # one batch of background work at a time
-        self._pending = self._background.submit(self._advance_and_fill, work)
-
-    def _advance_and_fill(self, work: list[tuple[str, llguidance.LLMatcher, int]]) -> _NextMasks:
-        ok = self._llexecutor.consume_token_par([(matcher, token) for _, matcher, token in work])
-        for (rid, matcher, token), accepted in zip(work, ok):
-            if not accepted:
-                raise RuntimeError(f"request {rid}: token {token} broke its grammar: {matcher.get_error()}")
+        work = [(rid, self._matchers[rid], token) for rid, token in sampled]
+        accepted = self._llexecutor.consume_token_par([(matcher, token) for _, matcher, token in work])
+        failed = {rid: f"token {token} broke its grammar: {matcher.get_error()}"
+                  for (rid, matcher, token), ok in zip(work, accepted) if not ok}
+        for rid in failed:
+            self.forget(rid)
         # A stopped matcher (its grammar complete and EOS taken) has no next mask.
-        live = [(rid, matcher) for rid, matcher, _ in work if not matcher.is_stopped()]
-        masks = llguidance.torch.allocate_token_bitmask(max(len(live), 1), self._vocab_size)
+        live = [(rid, matcher) for rid, matcher, _ in work if rid not in failed and not matcher.is_stopped()]
         if live:
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._llexecutor, [(matcher, k) for k, (_, matcher) in enumerate(live)], masks)
+            self._pending = self._background.submit(self._fill, live)
+        return failed
+
+    def _fill(self, live: list[tuple[str, llguidance.LLMatcher]]) -> _NextMasks:
+        masks = llguidance.torch.allocate_token_bitmask(len(live), self._vocab_size)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._llexecutor, [(matcher, k) for k, (_, matcher) in enumerate(live)], masks)
         return _NextMasks(masks, {rid: k for k, (rid, _) in enumerate(live)}, dict(live))

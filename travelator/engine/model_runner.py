@@ -144,8 +144,9 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without a grammar compiler")
             self.grammar.apply(logits, constrained)
         result = sample(logits, batch, argmax=self.ops.argmax, race=self.ops.exponential_race)
+        failed = {}
         if constrained:
-            self.grammar.advance([(rid, result.token_ids[row]) for row, rid, _, _ in constrained])
+            failed = self.grammar.advance([(rid, result.token_ids[row]) for row, rid, _, _ in constrained])
         sampled = {}
         for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states)):
             tok = result.token_ids[row]
@@ -156,7 +157,7 @@ class ModelRunner:
                 result.top_logprobs[row] if result.top_logprobs is not None else None,
             )
         self.phase_times["sample"] += time.perf_counter() - t2
-        return RunnerOutput(sampled, prompt_logprobs)
+        return RunnerOutput(sampled, prompt_logprobs, failed)
 
     # Rows of prompt logits computed at once: [rows, vocab] float32 stays small.
     PROMPT_LOGITS_ROWS = 256

@@ -78,3 +78,6 @@ class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # Request id -> the prompt logprobs this step computed, for requests that asked for them.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Request id -> why it cannot go on (its sampled token broke its grammar): the engine
+    # ends these requests with an error; the others of the step go on.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -10,11 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from travelator.engine.outputs import RequestOutput
-from travelator.server.constraints import (
-    ConstraintSpec,
-    response_format_spec,
-    structured_outputs_spec,
-)
+from travelator.server.constraints import constraint_spec
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.logprobs import TokenTexts, chat_logprobs
@@ -112,19 +108,6 @@ def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
 
 
-def _constraint(req: ChatCompletionRequest, tools: ToolPlan | None) -> ConstraintSpec | None:
-    """At most one constraint: a forced tool call, response_format, or structured_outputs."""
-    forced = tools.forced_schema() if tools is not None else None
-    given = [spec for spec in (
-        ConstraintSpec({"json": forced}, "tools") if forced is not None else None,
-        response_format_spec(req.response_format),
-        structured_outputs_spec(req.structured_outputs)) if spec is not None]
-    if len(given) > 1:
-        raise APIError(400, f"{given[0].param} and {given[1].param} both constrain the output; give one",
-                       param=given[1].param)
-    return given[0] if given else None
-
-
 def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None,
            structured: StructuredOutput | None) -> ChatRun:
     model = serving.resolve_model(req.model)
@@ -134,6 +117,8 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan |
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
     params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None, structured=structured)
+    if tools is not None and tools.mode == "auto" and tools.format == "hermes" and _is_special(serving, "<tool_call>"):
+        params.skip_special_tokens = False  # the tags must reach the reader
     gen = serving.start([prompt], params, req, "messages", "chatcmpl")
     texts = None
     if req.logprobs:
@@ -143,10 +128,18 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan |
     return ChatRun(gen, model, now(), prompt, params.n, texts, top_n, include_usage, tools)
 
 
+def _is_special(serving: OpenAIServing, text: str) -> bool:
+    """Whether ``text`` is one special token of this tokenizer (decoding would drop it)."""
+    ids = serving.tokenizer.encode(text, add_special_tokens=False)
+    return len(ids) == 1 and ids[0] in serving.tokenizer.special_token_ids
+
+
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
                                  request: Request) -> Response:
+    serving.resolve_model(req.model)  # a 404 before any compile
     tools = plan_tools(req, serving.tool_call_format)
-    run = _start(serving, req, tools, await serving.constraints.compile(_constraint(req, tools)))
+    run = _start(serving, req, tools, await serving.constraints.compile(
+        constraint_spec(req, tools.forced_schema() if tools is not None else None)))
     if req.stream:
         return event_stream(run.gen, _stream(run))
     lps: list[list[ChatTokenLogprob]] = [[] for _ in range(run.n)]
@@ -167,7 +160,7 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
             if calls and not content:
                 content = None
         choices.append(ChatChoice(
-            index=i, message=AssistantMessage(content=content, tool_calls=calls),
+            index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
             logprobs=ChatLogprobs(content=lps[i]) if run.texts is not None else None,
             finish_reason=reason, stop_reason=out.stop_reason))
     return json_response(ChatCompletionResponse(
@@ -186,8 +179,8 @@ async def _stream(run: ChatRun) -> AsyncIterator[str]:
         lp = run.logprobs(i, out)
         reader = readers[i]
         content, calls = reader.feed(out.new_text) if reader is not None else (out.new_text, [])
-        # One chunk per token step, as vLLM (text a tool-call reader holds back still counts).
-        if out.new_token_ids or content or calls or lp:
+        # One chunk per token step, as vLLM; with tools, only chunks that carry something.
+        if (out.new_token_ids and reader is None) or content or calls or lp:
             yield run.chunk([ChatChunkChoice(
                 index=i, delta=DeltaMessage(content=content if reader is None or content else None,
                                             tool_calls=calls or None),

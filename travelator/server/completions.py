@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from travelator.engine.outputs import RequestOutput
-from travelator.server.constraints import structured_outputs_spec
+from travelator.server.constraints import constraint_spec
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.logprobs import CompletionLogprobsBuilder, TokenTexts, vllm_prompt_logprobs
@@ -108,7 +108,8 @@ def _start(serving: OpenAIServing, req: CompletionRequest, structured: Structure
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
-    run = _start(serving, req, await serving.constraints.compile(structured_outputs_spec(req.structured_outputs)))
+    serving.resolve_model(req.model)  # a 404 before any compile
+    run = _start(serving, req, await serving.constraints.compile(constraint_spec(req)))
     if req.stream:
         return event_stream(run.gen, _stream(run))
     builders = run.logprobs

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.errors import InvalidRequestError
 from travelator.server.errors import APIError
-from travelator.server.protocol import StructuredOutputs
+from travelator.server.protocol import SamplingFields, StructuredOutputs
 from travelator.structured import StructuredOutput
 
 
@@ -31,7 +32,8 @@ class ConstraintSpec:
 
     @property
     def key(self) -> str:
-        return json.dumps(self.fields, sort_keys=True)
+        # Key order kept: a schema's property order is the order of the output.
+        return json.dumps(self.fields)
 
 
 def structured_outputs_spec(fields: StructuredOutputs | None) -> ConstraintSpec | None:
@@ -67,12 +69,31 @@ def response_format_spec(fmt: dict | None) -> ConstraintSpec | None:
                    param="response_format")
 
 
+def constraint_spec(req: SamplingFields, forced_tool_call: dict[str, Any] | None = None) -> ConstraintSpec | None:
+    """A request's one constraint: a forced tool call's schema, ``response_format`` (chat and
+    completions), or ``structured_outputs``; a 400 when it sets more than one."""
+    given = [spec for spec in (
+        ConstraintSpec({"json": forced_tool_call}, "tools") if forced_tool_call is not None else None,
+        response_format_spec(getattr(req, "response_format", None)),
+        structured_outputs_spec(req.structured_outputs)) if spec is not None]
+    if len(given) > 1:
+        raise APIError(400, f"{given[0].param} and {given[1].param} both constrain the output; give one",
+                       param=given[1].param)
+    return given[0] if given else None
+
+
 class ConstraintCompiler:
+    """Compiles constraints on its own two threads: a slow compile holds up neither the event
+    loop, nor the engine, nor (beyond those threads) other requests' compiles. Requests that
+    send a constraint already compiling wait for that one compile."""
+
     def __init__(self, grammars: GrammarCompiler, timeout_s: float, cache_size: int = 256) -> None:
         self._grammars = grammars
         self._timeout_s = timeout_s
         self._cache_size = cache_size
         self._compiled: OrderedDict[str, StructuredOutput] = OrderedDict()
+        self._compiling: dict[str, asyncio.Future[StructuredOutput]] = {}
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
 
     async def compile(self, spec: ConstraintSpec | None) -> StructuredOutput | None:
         if spec is None:
@@ -82,9 +103,15 @@ class ConstraintCompiler:
         if structured is not None:
             self._compiled.move_to_end(key)
             return structured
+        compiling = self._compiling.get(key)
+        if compiling is None:
+            compiling = asyncio.get_running_loop().run_in_executor(self._threads, self._build, spec)
+            self._compiling[key] = compiling
+            compiling.add_done_callback(lambda done, key=key: self._keep(key, done))
         try:
-            structured = await asyncio.wait_for(asyncio.to_thread(self._build, spec), self._timeout_s)
-        except TimeoutError:
+            # shield: a request that gives up does not cancel the compile others wait for.
+            return await asyncio.wait_for(asyncio.shield(compiling), self._timeout_s)
+        except asyncio.TimeoutError:
             raise APIError(400, f"the {spec.param} constraint took more than {self._timeout_s:g} s to "
                                 f"compile", param=spec.param) from None
         except InvalidRequestError as exc:
@@ -92,10 +119,14 @@ class ConstraintCompiler:
             # field the client used when it was another.
             param = exc.param if spec.param == "structured_outputs" and exc.param else spec.param
             raise APIError(400, str(exc), param=param) from None
-        self._compiled[key] = structured
+
+    def _keep(self, key: str, done: asyncio.Future[StructuredOutput]) -> None:
+        del self._compiling[key]
+        if done.cancelled() or done.exception() is not None:
+            return
+        self._compiled[key] = done.result()
         while len(self._compiled) > self._cache_size:
             self._compiled.popitem(last=False)
-        return structured
 
     def _build(self, spec: ConstraintSpec) -> StructuredOutput:
         fields = dict(spec.fields)

@@ -119,6 +119,8 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # As on chat (vLLM takes it here too): json_object or json_schema.
+    response_format: dict[str, Any] | None = None
 
 
 class TextContentPart(BaseModel):
@@ -273,7 +275,14 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler):  # as OpenAI: no tool_calls key without calls
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):

@@ -94,6 +94,7 @@ def _start(serving: OpenAIServing, req: ResponsesRequest, structured: Structured
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest, request: Request) -> Response:
+    serving.resolve_model(req.model)  # a 404 before any compile
     run = _start(serving, req, await serving.constraints.compile(structured_outputs_spec(req.structured_outputs)))
     if req.stream:
         return event_stream(run.gen, _stream(run))

@@ -62,13 +62,49 @@ class ToolPlan:
             return params[self.named]
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in params.items()]
+        calls, defs = [], {}
+        for i, (name, schema) in enumerate(params.items()):
+            schema, tool_defs = _lift_definitions(schema, f"tool{i}_")
+            defs.update(tool_defs)
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                          "required": ["name", "parameters"], "additionalProperties": False})
         array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not self.parallel:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return array
+
+
+def _lift_definitions(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``schema`` without its ``$defs``/``definitions``, its references rewritten to point at
+    them under ``prefix`` in the root of the schema it is nested in; and those definitions. A
+    reference to the schema itself (``#``) points at a copy of it among them."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    uses_root = False
+
+    def rewrite(node: Any) -> Any:
+        nonlocal uses_root
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                if ref == "#":
+                    uses_root, out["$ref"] = True, f"#/$defs/{prefix}root"
+                for old in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(old):
+                        out["$ref"] = f"#/$defs/{prefix}{ref[len(old):]}"
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    lifted = {f"{prefix}{name}": rewrite(d) for name, d in defs.items()}
+    body = rewrite(body)
+    if uses_root:
+        lifted[f"{prefix}root"] = body
+    return body, lifted
 
 
 def plan_tools(req: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | None:
@@ -122,30 +158,39 @@ def _as_call(obj: Any, arguments_keys: tuple[str, ...]) -> FunctionCall | None:
     return FunctionCall(name=obj["name"], arguments="{}")
 
 
-def _complete_objects(text: str) -> list[tuple[int, int]]:
-    """Spans of the complete JSON objects directly inside the top-level array of ``text``
-    (which may still be growing)."""
-    spans, depth, in_string, escaped, obj_start = [], 0, False, False, -1
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+@dataclass(slots=True)
+class _ArrayObjects:
+    """Finds the complete JSON objects directly inside a top-level array while its text
+    grows, reading each character once."""
+    pos: int = 0
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    start: int = -1
+
+    def new_spans(self, text: str) -> list[tuple[int, int]]:
+        spans = []
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
             elif ch == '"':
-                in_string = False
-            continue
-        if ch == '"':
-            in_string = True
-        elif ch in "[{":
-            if ch == "{" and depth == 1:
-                obj_start = i
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-            if ch == "}" and depth == 1:
-                spans.append((obj_start, i + 1))
-    return spans
+                self.in_string = True
+            elif ch in "[{":
+                if ch == "{" and self.depth == 1:
+                    self.start = i
+                self.depth += 1
+            elif ch in "]}":
+                self.depth -= 1
+                if ch == "}" and self.depth == 1:
+                    spans.append((self.start, i + 1))
+        self.pos = len(text)
+        return spans
 
 
 @dataclass(slots=True)
@@ -156,10 +201,13 @@ class ToolCallReader:
     plan: ToolPlan
     calls: list[ToolCall] = field(default_factory=list)
     _buffer: str = ""
-    _objects_read: int = 0  # "required": complete objects of the array read so far
+    _array: _ArrayObjects = field(default_factory=_ArrayObjects)  # "required": the calls' array
     _json_mode: bool | None = None  # llama3_json: the text is a call (decided at its first character)
     _held_space: str = ""  # hermes: trailing whitespace not sent yet
     _after_call: bool = False  # hermes: whitespace after a call is dropped
+
+    def _offered(self, call: FunctionCall) -> bool:
+        return any(t["function"]["name"] == call.name for t in self.plan.tools)
 
     def _emit(self, call: FunctionCall) -> list[DeltaToolCall]:
         if self.calls and not self.plan.parallel:
@@ -207,10 +255,8 @@ class ToolCallReader:
         return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))]
 
     def _scan_required(self) -> list[DeltaToolCall]:
-        spans = _complete_objects(self._buffer)
         deltas = []
-        for a, b in spans[self._objects_read:]:
-            self._objects_read += 1
+        for a, b in self._array.new_spans(self._buffer):
             call = _as_call(json.loads(self._buffer[a:b]), ("parameters", "arguments"))
             if call is not None:
                 deltas += self._emit(call)
@@ -236,7 +282,7 @@ class ToolCallReader:
                 break
             body = self._buffer[start + len(self._OPEN):end if end >= 0 else None]
             call = _parse_json_call(body, ("arguments", "parameters"))
-            if call is None:  # not a call after all: it is text
+            if call is None or not self._offered(call):  # not a call after all: it is text
                 content.append(self._text(self._buffer[start:end + len(self._CLOSE) if end >= 0 else None]))
             else:
                 self._held_space, self._after_call = "", True  # no blank around a call
@@ -270,11 +316,28 @@ class ToolCallReader:
         if not final:
             return "", []
         text, self._buffer = self._buffer, ""
-        body = text.strip().removeprefix(self._PYTHON_TAG)
-        calls = [_parse_json_call(part, ("parameters", "arguments")) for part in body.split(";")]
-        if not calls or any(c is None for c in calls):
+        calls = _json_calls(text.strip().removeprefix(self._PYTHON_TAG))
+        if not calls or not all(self._offered(c) for c in calls):  # an answer in JSON, not calls
             return text, []
         return "", [d for c in calls for d in self._emit(c)]
+
+
+def _json_calls(body: str) -> list[FunctionCall]:
+    """Llama 3's calls: JSON objects one after another (``;`` or blanks between); none when
+    ``body`` is anything else."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return []
+        call = _as_call(obj, ("parameters", "arguments"))
+        if call is None:
+            return []
+        calls.append(call)
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    return calls
 
 
 def _partial_suffix(text: str, tag: str) -> int:
