@@ -20,6 +20,7 @@ import platform
 import random
 import statistics
 import time
+from importlib.metadata import version
 
 import llguidance
 import llguidance.torch
@@ -49,8 +50,8 @@ class Llguidance:
             json.dumps(schema),
             defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
 
-    def matchers(self, grammar) -> list:
-        return [llguidance.LLMatcher(self.tokenizer, grammar) for _ in range(BATCH)]
+    def matchers(self, grammar, n: int = BATCH) -> list:
+        return [llguidance.LLMatcher(self.tokenizer, grammar) for _ in range(n)]
 
     def fill(self, matchers, masks) -> None:
         for k, m in enumerate(matchers):
@@ -73,8 +74,8 @@ class Xgrammar:
     def compile(self, schema: dict):
         return self.compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
 
-    def matchers(self, grammar) -> list:
-        return [xgrammar.GrammarMatcher(grammar) for _ in range(BATCH)]
+    def matchers(self, grammar, n: int = BATCH) -> list:
+        return [xgrammar.GrammarMatcher(grammar) for _ in range(n)]
 
     def fill(self, matchers, masks) -> None:
         for k, m in enumerate(matchers):
@@ -112,13 +113,18 @@ def walk(engine, grammar, structure: set[int], seed: int) -> list[float]:
     return times[1:]
 
 
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                    platform.machine())
+
+
 def main() -> None:
     tk = Tokenizer.byte_level(VOCAB)
     structure = {t for t in range(VOCAB) if tk.decode([t]) in ('"', ",", "]", "}", ", ")} | set(tk.eos_token_ids)
     engines = {"llguidance": Llguidance(tk), "xgrammar": Xgrammar(tk)}
-    print(f"{platform.processor() or platform.machine()}, load average {os.getloadavg()[0]:.2f}; "
-          f"llguidance {llguidance.__version__ if hasattr(llguidance, '__version__') else '?'}, "
-          f"xgrammar {xgrammar.__version__}; {BATCH} rows, {STEPS} steps, vocabulary {VOCAB}")
+    print(f"{cpu_model()}, load average {os.getloadavg()[0]:.2f}; llguidance {version('llguidance')}, "
+          f"xgrammar {version('xgrammar')}; {BATCH} rows, {STEPS} steps, vocabulary {VOCAB}")
     for name, schema in SCHEMAS.items():
         compile_ms = {e: [] for e in engines}
         fill_ms = {e: [] for e in engines}
@@ -126,7 +132,7 @@ def main() -> None:
             for label, engine in engines.items():
                 t0 = time.perf_counter()
                 grammar = engine.compile(schema)
-                matcher = engine.matchers(grammar)[0]
+                matcher = engine.matchers(grammar, 1)[0]
                 engine.fill([matcher], llguidance.torch.allocate_token_bitmask(1, VOCAB))
                 compile_ms[label].append((time.perf_counter() - t0) * 1e3)
                 fill_ms[label] += walk(engine, grammar, structure, seed=repeat)
