@@ -12,7 +12,7 @@ import json
 import jsonschema
 import openai
 import pytest
-import requests
+import httpx
 
 from hf_models import build_checkpoint
 from live import serve_in_thread
@@ -192,9 +192,9 @@ def test_sdk_tool_calls_on_a_qwen2_shaped_model(qwen_dir):
         hf_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Rome", "days": 1}
         expected = AutoTokenizer.from_pretrained(qwen_dir).apply_chat_template(
             hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-        ids = requests.post(f"{url}/tokenize", json={"messages": _conversation(), "tools": TOOLS},
+        ids = httpx.post(f"{url}/tokenize", json={"messages": _conversation(), "tools": TOOLS},
                             timeout=30).json()["tokens"]
-        assert requests.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"] == expected
+        assert httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"] == expected
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
         base = dict(model="qwen", messages=_conversation(), tools=TOOLS, max_tokens=300, temperature=0.9)
