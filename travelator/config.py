@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 Batching = Literal["iteration", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+SpeculativeMethod = Literal["ngram"]
+SpeculativePolicy = Literal["adaptive", "fixed"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
 Kernels = Literal["auto", "native", "torch"]
@@ -125,9 +127,31 @@ class SchedulerConfig:
     max_overtakes: Annotated[int, Setting(
         "times a waiting request that does not fit the free blocks may be overtaken by later ones "
         "that do; then nobody is admitted past it until it fits")] = 16
+    speculative_method: Annotated[SpeculativeMethod | None, Setting(
+        "speculative decoding: ngram proposes the tokens that followed the latest earlier "
+        "occurrence of a request's last tokens (prompt lookup); the step verifies them")] = None
+    num_speculative_tokens: Annotated[int, Setting("most draft tokens per request and step")] = 4
+    prompt_lookup_min: Annotated[int, Setting("ngram: shortest suffix looked up")] = 1
+    prompt_lookup_max: Annotated[int, Setting("ngram: longest suffix looked up")] = 4
+    speculative_policy: Annotated[SpeculativePolicy, Setting(
+        "adaptive: drafts per request from its measured acceptance and the batch's load (none "
+        "from --speculation-saturation-rows running requests on); fixed: always "
+        "--num-speculative-tokens")] = "adaptive"
+    speculation_saturation_rows: Annotated[int, Setting(
+        "adaptive: running requests at which an extra row costs a step about a full token "
+        "(the step is compute-bound), so nobody speculates")] = 32
 
     def validate(self) -> None:
         _check_choices(self)
+        if self.speculative_method is not None:
+            if self.batching == "static":
+                raise ValueError("speculative decoding needs iteration-level batching")
+            if self.num_speculative_tokens < 1:
+                raise ValueError("num_speculative_tokens must be positive")
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+            if self.speculation_saturation_rows < 1:
+                raise ValueError("speculation_saturation_rows must be positive")
         if self.scheduling_policy == "priority" and self.batching == "static":
             raise ValueError("priority scheduling needs iteration-level batching")
         if self.max_overtakes < 0:
@@ -161,3 +185,5 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
+        if self.scheduler.speculative_method is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding runs on one rank for now (tensor_parallel_size 1)")

@@ -42,6 +42,8 @@ class SamplingParams:
     # The output must match this (JSON schema, regex, choice, grammar; checked when it is
     # made); it ends with EOS as soon as the grammar is complete, even with ignore_eos.
     structured: StructuredOutput | None = None
+    # Speculative decoding (when the engine has it on): False keeps this request out of it.
+    speculate: bool = True
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:

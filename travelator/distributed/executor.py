@@ -277,7 +277,7 @@ class TPExecutor:
                 result = self.runner.execute(out)
             except Exception as exc:
                 raise self._broken(exc) from exc
-            self._sampled = [(rid, tok.token_id) for rid, tok in result.sampled.items()]
+            self._sampled = [(rid, tok.token_id) for rid in result.sampled for tok in result.tokens_of(rid)]
             return result
 
     @property

@@ -57,6 +57,11 @@ class EngineCounters:
     generation_tokens: int = 0
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: draft tokens verified, how many were accepted, and the
+    # request-steps that verified drafts (accepted / those: mean accepted length).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    speculative_steps: int = 0
 
 
 class LLMEngine:
@@ -276,8 +281,8 @@ class LLMEngine:
         # Requests the runner could not carry on end here; the update passes over them.
         outputs = self._fail_requests(result.failed)
         updated = self.scheduler.update_from_output(out, result)
-        outputs += [self._token_output(req, tok) if tok is not None else self._finish_output(req)
-                    for req, tok in updated]
+        outputs += [self._tokens_output(req, toks) if toks else self._finish_output(req)
+                    for req, toks in updated]
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, time.perf_counter() - t0)
         return outputs
@@ -287,6 +292,9 @@ class LLMEngine:
         c.steps += 1
         c.preemptions += out.num_preempted
         c.computed_prompt_tokens += out.num_prefill_tokens
+        sched = self.scheduler
+        c.draft_tokens, c.accepted_draft_tokens = sched.num_draft_tokens, sched.num_accepted_draft_tokens
+        c.speculative_steps = sched.num_speculative_steps
         self.last_step = StepStats(
             num_requests=len(out.num_scheduled_tokens), num_tokens=out.total_num_scheduled_tokens,
             num_prefill_tokens=out.num_prefill_tokens, num_decodes=out.num_decodes,
@@ -294,25 +302,33 @@ class LLMEngine:
             num_waiting=self.num_waiting, kv_usage=self.kv.usage, duration_s=duration,
         )
 
-    def _token_output(self, req: Request, tok: SampledToken) -> RequestOutput:
-        self.counters.generation_tokens += 1
+    def _tokens_output(self, req: Request, toks: list[SampledToken]) -> RequestOutput:
+        """The output of a step that gave ``req`` these tokens (several under speculative
+        decoding); a stop string among them ends the request there, and drops the rest."""
         detok = self.detokenizers[req.request_id]
-        # A token that ended the request (EOS, stop token) is not part of the text.
-        ended_by_token = req.status == RequestStatus.FINISHED_STOPPED and not (
-            req.sampling_params.include_stop_str_in_output and req.stop_reason is not None)
-        stop_str = None if ended_by_token else detok.add_tokens([tok.token_id])
-        if stop_str is not None:
-            if req.status.finished:  # it also hit EOS or its length in this very token
-                req.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stop_str
-        logprobs = []
-        if tok.logprob is not None:
-            logprobs.append(TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs or {}))
+        kept = []
+        for i, tok in enumerate(toks):
+            kept.append(tok)
+            # A token that ended the request (EOS, stop token; always the last) is not text.
+            ended_by_token = i == len(toks) - 1 and req.status == RequestStatus.FINISHED_STOPPED and not (
+                req.sampling_params.include_stop_str_in_output and req.stop_reason is not None)
+            stop_str = None if ended_by_token else detok.add_tokens([tok.token_id])
+            if stop_str is not None:
+                if dropped := len(toks) - 1 - i:
+                    del req.output_token_ids[-dropped:]
+                if req.status.finished:  # it also hit EOS or its length in this very token
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = stop_str
+                break
+        self.counters.generation_tokens += len(kept)
+        new_ids = [tok.token_id for tok in kept]
+        logprobs = [TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs or {})
+                    for tok in kept if tok.logprob is not None]
         if req.status.finished:
-            return self._finish_output(req, [tok.token_id], logprobs)
-        return self._output(req, [tok.token_id], detok.take_delta(), logprobs)
+            return self._finish_output(req, new_ids, logprobs)
+        return self._output(req, new_ids, detok.take_delta(), logprobs)
 
     def _finish_output(self, req: Request, new_ids: list[int] | None = None,
                        logprobs: list[TokenLogprob] | None = None) -> RequestOutput:

@@ -49,12 +49,22 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampled_ids: list[str]  # request ids in logits_indices order
+    sampled_ids: list[str]  # request ids in logits_indices order (repeated: one per draft too)
     # Prompt logprobs: the rows whose logits predict a prompt token, those tokens, and per
     # request (id, index of its first predicted prompt token, count, top alternatives).
     prompt_rows: list[int]
     prompt_targets: list[int]
     prompt_spans: list[tuple[str, int, int, int]]
+
+
+def _draft_prefix(drafts: list[int] | None, sampled_ids: list[str], row: int) -> list[int]:
+    """The drafts that come before logits row ``row`` of its request (none without drafts)."""
+    if not drafts:
+        return []
+    first = row
+    while first > 0 and sampled_ids[first - 1] == sampled_ids[row]:
+        first -= 1
+    return drafts[:row - first]
 
 
 class ModelRunner:
@@ -129,11 +139,14 @@ class ModelRunner:
         if not inputs.sampled_ids:
             return RunnerOutput(prompt_logprobs=prompt_logprobs)
         states = [self.states[rid] for rid in inputs.sampled_ids]
+        # Row j of a request with drafts samples the token after its first j drafts.
+        drafted = [_draft_prefix(out.draft_token_ids.get(rid), inputs.sampled_ids, row)
+                   for row, rid in enumerate(inputs.sampled_ids)]
         batch = SamplingBatch(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s.sampling_params.uses_penalties else []
                               for s in states],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] + d for s, d in zip(states, drafted)],
             eos_token_ids=self.eos_token_ids,
         )
         constrained = [(row, rid, s.sampling_params, batch.output_token_ids[row])
@@ -147,17 +160,29 @@ class ModelRunner:
         failed = {}
         if constrained:
             failed = self.grammar.advance([(rid, result.token_ids[row]) for row, rid, _, _ in constrained])
-        sampled = {}
-        for row, (rid, s) in enumerate(zip(inputs.sampled_ids, states)):
-            tok = result.token_ids[row]
-            s.token_ids.append(tok)
-            sampled[rid] = SampledToken(
-                tok,
-                result.logprobs[row] if result.logprobs is not None else None,
-                result.top_logprobs[row] if result.top_logprobs is not None else None,
-            )
+        sampled: dict[str, SampledToken] = {}
+        more: dict[str, list[SampledToken]] = {}
+        row = 0
+        while row < len(inputs.sampled_ids):
+            rid = inputs.sampled_ids[row]
+            drafts = out.draft_token_ids.get(rid, [])
+            # Keep the drafts up to the first its own sample disagrees with, plus that sample.
+            toks = []
+            for j in range(len(drafts) + 1):
+                toks.append(SampledToken(
+                    result.token_ids[row + j],
+                    result.logprobs[row + j] if result.logprobs is not None else None,
+                    result.top_logprobs[row + j] if result.top_logprobs is not None else None,
+                ))
+                if j == len(drafts) or result.token_ids[row + j] != drafts[j]:
+                    break
+            self.states[rid].token_ids.extend(t.token_id for t in toks)
+            sampled[rid] = toks[0]
+            if len(toks) > 1:
+                more[rid] = toks[1:]
+            row += len(drafts) + 1
         self.phase_times["sample"] += time.perf_counter() - t2
-        return RunnerOutput(sampled, prompt_logprobs, failed)
+        return RunnerOutput(sampled, prompt_logprobs, more_sampled=more, failed=failed)
 
     # Rows of prompt logits computed at once: [rows, vocab] float32 stays small.
     PROMPT_LOGITS_ROWS = 256
@@ -240,8 +265,10 @@ class ModelRunner:
             s = self.states[rid]
             start = s.num_computed_tokens
             end = start + n
-            assert end <= len(s.token_ids), "scheduled past the known tokens"
-            input_ids.extend(s.token_ids[start:end])
+            drafts = out.draft_token_ids.get(rid, [])
+            assert end == len(s.token_ids) + len(drafts) if drafts else end <= len(s.token_ids), \
+                "scheduled past the known tokens"
+            input_ids.extend(s.token_ids[start:end] + drafts)
             pos = np.arange(start, end, dtype=np.int64)
             blocks = np.asarray(s.block_ids, dtype=np.int64)
             positions.append(pos)
@@ -249,7 +276,10 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             tables.append(s.block_ids[: -(-end // bs)])
-            if end == len(s.token_ids):  # reached the end: sample (docs/design.md invariant 5)
+            if drafts:  # sample after the last known token and after every draft
+                logits_indices.extend(range(offset + n - 1 - len(drafts), offset + n))
+                sampled_ids.extend([rid] * (1 + len(drafts)))
+            elif end == len(s.token_ids):  # reached the end: sample (docs/design.md invariant 5)
                 logits_indices.append(offset + n - 1)
                 sampled_ids.append(rid)
             want = s.sampling_params.prompt_logprobs

@@ -46,6 +46,23 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass(slots=True)
+class SpeculationStats:
+    """A request's record under speculative decoding: drafts (and free probes) proposed,
+    and how many of them its own samples agreed with."""
+
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return (self.accepted + 1) / (self.proposed + 2)  # Laplace: 1/2 before any evidence
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence being generated.
@@ -76,6 +93,10 @@ class Request:
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
     # (logprob, top alternatives, rank) of prompt tokens 1, 2, ... as computed so far, when asked for.
     prompt_logprobs: list[tuple[float, dict[int, float], int]] = field(default_factory=list)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    # Speculative decoding, a step without drafts: the token the proposer expected next,
+    # compared with the one sampled (a free measure of acceptance).
+    speculation_probe: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,7 @@ from collections import deque
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
 from travelator.engine.request import Request, RequestStatus
+from travelator.engine.speculation import Speculator
 from travelator.engine.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -35,6 +36,12 @@ class SchedulerBase:
         self._freed: list[str] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
+        # Speculative decoding totals: drafts verified, accepted, and request-steps with drafts.
+        self.num_draft_tokens = self.num_accepted_draft_tokens = self.num_speculative_steps = 0
+        self.speculator = Speculator(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+            config.speculative_policy == "adaptive", config.speculation_saturation_rows,
+        ) if config.speculative_method == "ngram" else None
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -127,6 +134,13 @@ class SchedulerBase:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             known = len(self.kv.block_ids(req.request_id))
+            drafts = self._drafts(req, budget)
+            if drafts:
+                self._add_to_output(out, req, 1 + len(drafts), known)
+                out.draft_token_ids[req.request_id] = drafts
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             n = self._schedule_tokens(req, budget)
             while n is None:
                 victim = self._pick_victim(i)
@@ -143,6 +157,36 @@ class SchedulerBase:
             budget -= n
             i += 1
         return budget, preempted
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Speculative decoding: draft tokens for a decoding request, with blocks allocated
+        for them (none when the pool has no room: it then decodes as usual)."""
+        req.speculation_probe = None
+        if (self.speculator is None or req.num_computed_tokens != req.num_tokens - 1
+                or not self.kv.block_ids(req.request_id) or not self.speculator.eligible(req)):
+            return []
+        # No drafts past max_tokens: each accepted one is an output token.
+        room = min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1)
+        proposal = self.speculator.propose(req, max(room, 0))
+        k = min(self.speculator.length(req, len(self.running)), len(proposal))
+        if k == 0:
+            req.speculation_probe = proposal[0] if proposal else None
+            return []
+        if self.kv.allocate_slots(req, req.num_tokens + k) is None:
+            return []
+        return proposal[:k]
+
+    def _record_speculation(self, req: Request, drafts, toks: list[SampledToken]) -> None:
+        """Drafts verified (or the step's free probe): how many the request's samples took."""
+        if drafts:
+            accepted = len(toks) - 1
+            req.speculation.record(len(drafts), accepted)
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_draft_tokens += accepted
+            self.num_speculative_steps += 1
+        elif req.speculation_probe is not None:
+            req.speculation.record(1, int(toks[0].token_id == req.speculation_probe))
+        req.speculation_probe = None
 
     def _pick_victim(self, i: int) -> Request:
         """The request to preempt so that running[i] can go on.
@@ -204,9 +248,9 @@ class SchedulerBase:
             )
             self._known_by_runner.add(rid)
         out.num_scheduled_tokens[rid] = num_new_tokens
-        # A decode computes exactly the one token it sampled last; anything else is
-        # prompt (or recomputed output) being prefilled.
-        if num_new_tokens == 1 and req.num_computed_tokens == req.num_tokens - 1:
+        # A decode computes the one token it sampled last (and its drafts); anything else
+        # is prompt (or recomputed output) being prefilled.
+        if req.num_computed_tokens == req.num_tokens - 1:
             out.num_decodes += 1
         else:
             out.num_prefill_tokens += num_new_tokens
@@ -215,11 +259,12 @@ class SchedulerBase:
 
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput
-    ) -> list[tuple[Request, SampledToken | None]]:
+    ) -> list[tuple[Request, list[SampledToken]]]:
         """Advance every scheduled request; append sampled tokens; finish those that stop.
 
-        Returns each scheduled request that got a new token, with that token, and each one
-        that finished its prompt with ``max_tokens=0`` (prompt only), with None.
+        Returns each scheduled request that got new tokens, with those it keeps (several
+        under speculative decoding, cut at the first that stops it), and each one that
+        finished its prompt with ``max_tokens=0`` (prompt only), with none.
         """
         now = time.monotonic()
         updated = []
@@ -227,31 +272,44 @@ class SchedulerBase:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
+            drafts = out.draft_token_ids.get(rid, ())
+            toks = result.tokens_of(rid)
+            # Valid KV: what was computed, less the drafts its own samples refused.
+            req.num_computed_tokens += n - (len(drafts) - max(len(toks) - 1, 0))
             if (plp := result.prompt_logprobs.get(rid)) is not None:
                 req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs, plp.ranks)
-            tok = result.sampled.get(rid)
-            if tok is None:
+            if not toks:
+                self.kv.cache_full_blocks(req)
                 continue  # a prompt chunk that does not reach the end of the prompt
             req.resumed_without_progress = False
-            assert req.num_computed_tokens == req.num_tokens
             if req.max_tokens == 0:  # the prompt was all it asked for: drop the sample
+                assert req.num_computed_tokens == req.num_tokens
+                self.kv.cache_full_blocks(req)
                 req.status = RequestStatus.FINISHED_LENGTH
                 if req.times.first_token is None:
                     req.times.first_token = req.times.last_token = now
                 self.running.remove(req)
                 self._release(req)
-                updated.append((req, None))
+                updated.append((req, []))
                 continue
-            req.append_output_token(tok.token_id)
+            self._record_speculation(req, drafts, toks)
+            kept = []
+            for tok in toks:
+                req.append_output_token(tok.token_id)
+                kept.append(tok)
+                if req.check_stop_token():
+                    break
+            # Cut by a stop: its last kept token was an accepted draft, whose KV is valid.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            assert req.status.finished or req.num_computed_tokens == req.num_tokens - 1
+            self.kv.cache_full_blocks(req)
             if req.times.first_token is None:
                 req.times.first_token = now
             req.times.last_token = now
-            if req.check_stop_token():
+            if req.status.finished:
                 self.running.remove(req)
                 self._release(req)
-            updated.append((req, tok))
+            updated.append((req, kept))
         return updated
 
 

@@ -39,8 +39,15 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since last step).
     freed_request_ids: list[str] = field(default_factory=list)
     num_preempted: int = 0
-    num_decodes: int = 0  # requests computing just their last sampled token
+    num_decodes: int = 0  # requests computing their last sampled token (and drafts, if any)
     num_prefill_tokens: int = 0  # tokens of prompts, or of outputs being recomputed
+    # Speculative decoding: request id -> draft tokens computed after its last sampled token
+    # (counted in its num_scheduled_tokens).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.draft_token_ids.values())
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -78,6 +85,14 @@ class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # Request id -> the prompt logprobs this step computed, for requests that asked for them.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: request id -> the tokens it got after the first one (accepted
+    # drafts, then the runner's own sample where it disagreed or after the last draft).
+    more_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Request id -> why it cannot go on (its sampled token broke its grammar): the engine
     # ends these requests with an error; the others of the step go on.
     failed: dict[str, str] = field(default_factory=dict)
+
+    def tokens_of(self, request_id: str) -> list[SampledToken]:
+        """Every token ``request_id`` got this step, in order (none: a prompt chunk)."""
+        first = self.sampled.get(request_id)
+        return [] if first is None else [first, *self.more_sampled.get(request_id, ())]

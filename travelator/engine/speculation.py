@@ -1,0 +1,76 @@
+"""Speculative decoding's scheduler side: proposing draft tokens (n-gram prompt lookup) and
+choosing how many to verify per request and step. Plain Python, no torch.
+
+A decoding request with k drafts computes k + 1 query tokens in the step (its last sampled
+token and the drafts), as a short prompt chunk would; the runner samples at every one of them
+and keeps the drafts up to the first one its own sample disagrees with, plus that sample. For
+a greedy request that is the argmax; for a sampled one the same draw (same seeded noise) it
+would have made without drafts, so speculation never changes what a request generates, only
+how many of its tokens one step yields.
+
+How many drafts: a draft is worth verifying when the chance that it is accepted beats what an
+extra row costs the step. The chance of the j-th draft is estimated as ``a**j``, ``a`` the
+request's measured acceptance rate (counted even while it does not speculate: the proposal is
+compared with the token it then samples, for free). An extra row costs little while the step
+is bound by reading the weights and about a full token once it is bound by compute; the
+threshold grows with the batch: ``running / saturation_rows``. So at low load requests
+speculate as far as their acceptance allows, and from ``saturation_rows`` running requests on
+they do not speculate at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from travelator.engine.request import Request
+
+
+def ngram_proposal(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup: the (up to) ``k`` tokens that followed the latest earlier occurrence of
+    the longest suffix of ``tokens``, trying suffixes of ``n_max`` down to ``n_min`` tokens."""
+    if k <= 0 or len(tokens) < 2:
+        return []
+    # Token ids as characters: str.rfind does the search in C.
+    text = "".join(map(chr, tokens))
+    length = len(text)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        at = text.rfind(text[length - n:], 0, length - 1)
+        if at >= 0:
+            return list(tokens[at + n:at + n + k])
+    return []
+
+
+class Speculator:
+    def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, adaptive: bool,
+                 saturation_rows: int) -> None:
+        self.num_tokens = num_tokens
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.adaptive = adaptive
+        self.saturation_rows = saturation_rows
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        """Requests that may speculate: not constrained (masks would be needed at every
+        draft), and not opted out."""
+        params = req.sampling_params
+        return params.speculate and params.structured is None
+
+    def length(self, req: Request, num_running: int) -> int:
+        """How many drafts ``req`` verifies this step, with ``num_running`` requests running."""
+        if not self.adaptive:
+            return self.num_tokens
+        threshold = num_running / self.saturation_rows
+        if threshold >= 1:
+            return 0
+        a = req.speculation.acceptance
+        k = 0
+        while k < self.num_tokens and a ** (k + 1) > threshold:
+            k += 1
+        return k
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """Up to ``limit`` drafts for a decoding request (the lookup's full length, so a
+        request that does not speculate still has a proposal to probe with)."""
+        tokens = req.prompt_token_ids + req.output_token_ids
+        return ngram_proposal(tokens, self.ngram_min, self.ngram_max, limit)
