@@ -56,6 +56,11 @@ class _EngineCounters:
         yield counter("num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
                       c.preemptions)
         yield counter("engine_steps", "Engine steps run.", c.steps)
+        # Speculative decoding: acceptance rate = accepted / draft; mean accepted length
+        # = accepted / speculative_steps.
+        yield counter("spec_draft_tokens", "Draft tokens verified (speculative decoding).", c.draft_tokens)
+        yield counter("spec_accepted_tokens", "Draft tokens accepted.", c.accepted_draft_tokens)
+        yield counter("spec_steps", "Request-steps that verified drafts.", c.speculative_steps)
         stats = self.engine.kv.stats
         yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
                       stats.queried_tokens)

@@ -97,6 +97,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     # Extensions (vLLM spells them the same way).
     ignore_eos: bool = False
+    speculate: bool = True  # false: no speculative decoding for this request
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

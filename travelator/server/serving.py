@@ -110,6 +110,7 @@ class OpenAIServing:
             "structured": structured,
             "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
+            "speculate": req.speculate,
             "min_tokens": req.min_tokens, "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
         }

@@ -1,0 +1,139 @@
+"""Speculative decoding (n-gram prompt lookup): the proposer and the draft-length policy against
+hand-computed cases; whole engines against the same engine without speculation (greedy and
+seeded outputs token for token, logprobs, with chunked prefill, preemption, stop strings and
+max_tokens); the unseeded output distribution against a chi-square test; the counters."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from scipy.stats import chi2
+
+from paths import STORIES, needs_stories
+from travelator import LLM, SamplingParams
+from travelator.engine.request import Request
+from travelator.engine.self_check import engine_self_check
+from travelator.engine.speculation import Speculator, ngram_proposal
+
+
+def test_ngram_proposal_by_hand():
+    #            0  1  2  3  4  5  6  7  8
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1]
+    assert ngram_proposal(tokens, 1, 3, 4) == []  # 1 never came before
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7]
+    # Longest suffix first: [5, 6, 7] came at 0, followed by 8, 9, 5, 6.
+    assert ngram_proposal(tokens, 1, 3, 4) == [8, 9, 5, 6]
+    assert ngram_proposal(tokens, 1, 3, 2) == [8, 9]
+    # The latest earlier occurrence wins: [1, 2] at 0 (then 3) and at 3 (then 4).
+    assert ngram_proposal([1, 2, 3, 1, 2, 4, 1, 2], 2, 2, 3) == [4, 1, 2]
+    # Only suffixes of n_min..n_max tokens: [9] alone matches, [3, 9] does not.
+    assert ngram_proposal([9, 4, 3, 9], 2, 3, 2) == []
+    assert ngram_proposal([9, 4, 3, 9], 1, 3, 2) == [4, 3]
+    assert ngram_proposal([7], 1, 3, 2) == [] and ngram_proposal([1, 1], 1, 1, 0) == []
+    # Token ids past the BMP and in the surrogate range are characters like any other.
+    assert ngram_proposal([0xD800, 70000, 3, 0xD800, 70000], 2, 2, 1) == [3]
+
+
+def _request(proposed: int, accepted: int) -> Request:
+    req = Request("r", [1, 2], SamplingParams(), max_tokens=10)
+    req.speculation.record(proposed, accepted)
+    return req
+
+
+def test_adaptive_length_by_hand():
+    spec = Speculator(num_tokens=4, ngram_min=1, ngram_max=3, adaptive=True, saturation_rows=32)
+    # No evidence: acceptance 1/2. Alone (threshold 1/32): 0.5**4 = 0.0625 > 0.031 -> 4 drafts.
+    assert spec.length(_request(0, 0), 1) == 4
+    # 8 running (threshold 0.25): 0.5 > 0.25, 0.25 is not -> 1 draft.
+    assert spec.length(_request(0, 0), 8) == 1
+    # Acceptance (18 + 1) / (20 + 2) = 0.864 with 8 running: 0.864**9 = 0.27 > 0.25 -> capped at 4.
+    assert spec.length(_request(20, 18), 8) == 4
+    # Acceptance 1/12 = 0.083 alone: 0.083 > 0.031, 0.0069 is not -> 1 draft.
+    assert spec.length(_request(10, 0), 1) == 1
+    # From saturation_rows running requests on, nobody speculates.
+    assert spec.length(_request(20, 20), 32) == 0
+    fixed = Speculator(num_tokens=3, ngram_min=1, ngram_max=3, adaptive=False, saturation_rows=32)
+    assert fixed.length(_request(10, 0), 100) == 3
+
+
+REPEATS = [
+    "Once upon a time, there was a little girl named Lily. She loved to play. Once upon a time, there was",
+    "Tom and his dog went to the park. Tom and his dog went to the",
+    "The sun was hot. The sun was hot. The sun was",
+    "Lily saw a bird",
+]
+
+
+def _run(llm: LLM, params) -> list:
+    return llm.generate(REPEATS, params, use_tqdm=False)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@needs_stories
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("setup", [dict(), dict(max_num_batched_tokens=24), dict(num_kv_blocks=14)])
+def test_stories_outputs_equal_decoding_without_drafts(policy, setup):
+    # batch_invariant + float32: a row's numbers do not depend on how many query tokens its
+    # request has in the step, so greedy picks cannot flip on a near tie.
+    base = dict(dtype="float32", batch_invariant=True, **setup)
+    off = LLM(str(STORIES), **base)
+    on = LLM(str(STORIES), speculative_method="ngram", speculative_policy=policy, num_speculative_tokens=5, **base)
+    greedy = SamplingParams(temperature=0.0, max_tokens=70, logprobs=2)
+    ref, got = _run(off, greedy), _run(on, greedy)
+    assert _tokens(got) == _tokens(ref)
+    for r, g in zip(ref, got):
+        assert [lp.logprob for lp in g.outputs[0].logprobs] == [lp.logprob for lp in r.outputs[0].logprobs]
+        assert g.outputs[0].text == r.outputs[0].text and g.outputs[0].finish_reason == r.outputs[0].finish_reason
+    c = on.engine.counters
+    assert c.draft_tokens > 0 and 0 < c.accepted_draft_tokens < c.draft_tokens
+    assert c.steps < off.engine.counters.steps  # several tokens in some steps
+    if "num_kv_blocks" in setup:
+        assert c.preemptions > 0
+    # Seeded sampling: the same draws, so the same tokens; stop strings and max_tokens cut
+    # a step's tokens where they end the request.
+    sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=20 + 9 * i, stop=["sun was h"] if i == 2 else [])
+               for i in range(len(REPEATS))]
+    ref, got = _run(off, sampled), _run(on, sampled)
+    assert _tokens(got) == _tokens(ref)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in ref]
+    # Opted out: no drafts at all.
+    before = on.engine.counters.draft_tokens
+    _run(on, SamplingParams(temperature=0.0, max_tokens=30, speculate=False))
+    assert on.engine.counters.draft_tokens == before
+    report = engine_self_check(on.engine)
+    assert not on.engine.has_unfinished_requests() and report["ok"] and report["kv"]["used_blocks"] == 0, report["problems"]
+
+
+@needs_stories
+def test_unseeded_distribution_equals_decoding_without_drafts():
+    """Tokens 2-4 of 6,000 unseeded requests per engine (stories260K, temperature 1, a prompt
+    that repeats, so drafts are proposed and both accepted and refused): a chi-square test of
+    homogeneity at the 0.001 level per position, on tokens seen at least 20 times (the rest
+    pooled)."""
+    prompt = "Tom and his dog went to the park. Tom and his dog went to the park. Tom and"
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    counts = {}
+    for name, kw in [("off", {}), ("on", dict(speculative_method="ngram", speculative_policy="fixed",
+                                                num_speculative_tokens=3))]:
+        llm = LLM(str(STORIES), dtype="float32", max_num_seqs=256, max_num_batched_tokens=8192, **kw)
+        outs = llm.generate([prompt] * 6000, params, use_tqdm=False)
+        counts[name] = [collections.Counter(o.outputs[0].token_ids[j] for o in outs) for j in (1, 2, 3)]
+        if name == "on":
+            c = llm.engine.counters
+            assert c.draft_tokens > 1000 and 0.1 < c.accepted_draft_tokens / c.draft_tokens < 0.9, c
+    for off, on in zip(counts["off"], counts["on"]):
+        common = [t for t in set(off) | set(on) if off[t] + on[t] >= 20]
+        rows = [(off[t], on[t]) for t in common]
+        rows.append((sum(off.values()) - sum(a for a, _ in rows), sum(on.values()) - sum(b for _, b in rows)))
+        n_off, n_on = sum(a for a, _ in rows), sum(b for _, b in rows)
+        stat = 0.0
+        for a, b in rows:
+            if a + b:
+                ea, eb = (a + b) * n_off / (n_off + n_on), (a + b) * n_on / (n_off + n_on)
+                stat += (a - ea) ** 2 / ea + (b - eb) ** 2 / eb
+        assert len(rows) > 10 and stat < chi2.ppf(0.999, len(rows) - 1), (stat, len(rows))
