@@ -97,6 +97,7 @@ class Request:
     # Speculative decoding, a step without drafts: the token the proposer expected next,
     # compared with the one sampled (a free measure of acceptance).
     speculation_probe: int | None = None
+    speculation_text: str = ""  # its tokens as characters, for the n-gram lookup
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -163,6 +163,7 @@ class SchedulerBase:
         for them (none when the pool has no room: it then decodes as usual)."""
         req.speculation_probe = None
         if (self.speculator is None or req.num_computed_tokens != req.num_tokens - 1
+                or self.speculator.saturated(len(self.running))
                 or not self.kv.block_ids(req.request_id) or not self.speculator.eligible(req)):
             return []
         # No drafts past max_tokens: each accepted one is an output token.

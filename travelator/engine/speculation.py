@@ -28,16 +28,24 @@ from travelator.engine.request import Request
 def ngram_proposal(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
     """Prompt lookup: the (up to) ``k`` tokens that followed the latest earlier occurrence of
     the longest suffix of ``tokens``, trying suffixes of ``n_max`` down to ``n_min`` tokens."""
-    if k <= 0 or len(tokens) < 2:
-        return []
-    # Token ids as characters: str.rfind does the search in C.
-    text = "".join(map(chr, tokens))
+    return lookup(as_text(tokens), n_min, n_max, k)
+
+
+def lookup(text: str, n_min: int, n_max: int, k: int) -> list[int]:
+    """``ngram_proposal`` on tokens written as characters (``as_text``): str.rfind does the
+    search in C."""
     length = len(text)
+    if k <= 0 or length < 2:
+        return []
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         at = text.rfind(text[length - n:], 0, length - 1)
         if at >= 0:
-            return list(tokens[at + n:at + n + k])
+            return [ord(c) for c in text[at + n:at + n + k]]
     return []
+
+
+def as_text(tokens: Sequence[int]) -> str:
+    return "".join(map(chr, tokens))
 
 
 class Speculator:
@@ -56,6 +64,10 @@ class Speculator:
         params = req.sampling_params
         return params.speculate and params.structured is None
 
+    def saturated(self, num_running: int) -> bool:
+        """Whether the batch is so large that nobody speculates (nor probes)."""
+        return self.adaptive and num_running >= self.saturation_rows
+
     def length(self, req: Request, num_running: int) -> int:
         """How many drafts ``req`` verifies this step, with ``num_running`` requests running."""
         if not self.adaptive:
@@ -72,5 +84,9 @@ class Speculator:
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to ``limit`` drafts for a decoding request (the lookup's full length, so a
         request that does not speculate still has a proposal to probe with)."""
-        tokens = req.prompt_token_ids + req.output_token_ids
-        return ngram_proposal(tokens, self.ngram_min, self.ngram_max, limit)
+        # The request's tokens as characters, extended as it grows (tokens only ever append
+        # while it runs).
+        known = len(req.speculation_text)
+        if known < req.num_tokens:
+            req.speculation_text += as_text(req.token_slice(known, req.num_tokens))
+        return lookup(req.speculation_text, self.ngram_min, self.ngram_max, limit)
