@@ -137,3 +137,29 @@ def test_unseeded_distribution_equals_decoding_without_drafts():
                 ea, eb = (a + b) * n_off / (n_off + n_on), (a + b) * n_on / (n_off + n_on)
                 stat += (a - ea) ** 2 / ea + (b - eb) ** 2 / eb
         assert len(rows) > 10 and stat < chi2.ppf(0.999, len(rows) - 1), (stat, len(rows))
+
+
+@needs_stories
+def test_constrained_requests_speculate_through_their_grammar():
+    import json
+
+    import jsonschema
+
+    from travelator.structured import StructuredOutput
+
+    schema = {"type": "array", "items": {"enum": ["cat", "dog", "the cat"]}, "minItems": 6, "maxItems": 12}
+    regex = r"(Lily and Tom\. ){3,6}"
+    cases = [(StructuredOutput(json=schema), lambda t: jsonschema.validate(json.loads(t), schema) or True),
+             (StructuredOutput(regex=regex), lambda t: __import__("re").fullmatch(regex, t) is not None)]
+    prompts = ["Lily and Tom. Lily and Tom. Lily and Tom.", '["cat", "dog", "cat", "dog", "cat", "dog"]']
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=120, structured=c)
+              for c, _ in cases for t in (0.0, 0.9)]
+    base = dict(dtype="float32", batch_invariant=True)
+    off = LLM(str(STORIES), **base).generate(prompts * 2, params, use_tqdm=False)
+    spec = LLM(str(STORIES), speculative_method="ngram", speculative_policy="fixed", **base)
+    on = spec.generate(prompts * 2, params, use_tqdm=False)
+    assert _tokens(on) == _tokens(off)
+    for out, (_, check) in zip(on, [cases[0], cases[0], cases[1], cases[1]]):
+        assert out.outputs[0].finish_reason == "stop" and check(out.outputs[0].text), out.outputs[0].text
+    c = spec.engine.counters
+    assert c.draft_tokens > 0 and c.accepted_draft_tokens > 0, c

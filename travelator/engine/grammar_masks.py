@@ -60,14 +60,22 @@ class GrammarMasks:
     @torch.inference_mode()  # the logits are inference tensors
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, str, SamplingParams, list[int]]]) -> None:
         """Mask ``logits`` in place: for each (row, request id, params, its output tokens so
-        far) of a constrained request, every token its grammar does not allow next is -inf."""
+        far) of a constrained request, every token its grammar does not allow next is -inf.
+        A request with draft tokens (speculative decoding) has consecutive rows, the j-th
+        after its first j drafts; their masks follow the grammar through the drafts."""
         ahead = self._collect_pending()
         sources: list[int] = []  # per row, its row in ahead.masks (-1: fill it now)
-        to_fill = []
-        for k, (_, rid, params, outputs) in enumerate(rows):
+        to_fill, with_drafts = [], []
+        k = 0
+        while k < len(rows):
+            _, rid, params, outputs = rows[k]
+            span = 1
+            while k + span < len(rows) and rows[k + span][1] == rid:
+                span += 1
             matcher = self._matchers.get(rid)
-            if ahead is not None and matcher is not None and ahead.matchers.get(rid) is matcher:
+            if span == 1 and ahead is not None and matcher is not None and ahead.matchers.get(rid) is matcher:
                 sources.append(ahead.row_of[rid])
+                k += 1
                 continue
             if matcher is None:
                 matcher = self._compiler.new_matcher(params.structured)
@@ -75,9 +83,13 @@ class GrammarMasks:
                     raise RuntimeError(f"request {rid}: its output no longer matches its grammar: "
                                        f"{matcher.get_error()}")
                 self._matchers[rid] = matcher
-            sources.append(-1)
-            to_fill.append((matcher, k))
-        if ahead is not None and not to_fill and sources == list(range(len(ahead.matchers))):
+            sources.extend([-1] * span)
+            if span == 1:
+                to_fill.append((matcher, k))
+            else:  # masks after each draft; the matcher itself is left where it was
+                with_drafts.append((matcher, k, rows[k + span - 1][3][len(outputs):]))
+            k += span
+        if ahead is not None and not to_fill and not with_drafts and sources == list(range(len(ahead.matchers))):
             masks = ahead.masks  # the usual step: the same rows in the same order
         else:
             masks = llguidance.torch.allocate_token_bitmask(len(rows), self._vocab_size)
@@ -87,21 +99,29 @@ class GrammarMasks:
                 masks[list(dst)] = ahead.masks[list(src)]
             if to_fill:
                 llguidance.torch.fill_next_token_bitmask_par(self._llexecutor, to_fill, masks)
+            if with_drafts:
+                # Rows after a draft the grammar refuses stay all-allowed: the sample before
+                # them cannot equal that draft, so they are never used.
+                llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self._llexecutor, with_drafts, masks)
         index = torch.tensor([row for row, *_ in rows], dtype=torch.long, device=logits.device)
         self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
 
-    def advance(self, sampled: list[tuple[str, int]]) -> dict[str, str]:
-        """Advance each (request id, sampled token)'s matcher (here: a refused token must
-        fail its own request in this step), then fill the masks of their next step in the
-        background; the next ``apply`` collects them. Returns request id -> error for the
-        requests whose token their grammar refused (a bug: the mask allowed it)."""
+    def advance(self, sampled: list[tuple[str, list[int]]]) -> dict[str, str]:
+        """Advance each (request id, tokens it got this step)'s matcher (here: a refused
+        token must fail its own request in this step), then fill the masks of their next
+        step in the background; the next ``apply`` collects them. Returns request id ->
+        error for the requests whose token their grammar refused (a bug: the mask allowed it)."""
         if not sampled:
             return {}
         self._collect_pending()  # one batch of background work at a time
-        work = [(rid, self._matchers[rid], token) for rid, token in sampled]
-        accepted = self._llexecutor.consume_token_par([(matcher, token) for _, matcher, token in work])
-        failed = {rid: f"token {token} broke its grammar: {matcher.get_error()}"
-                  for (rid, matcher, token), ok in zip(work, accepted) if not ok}
+        work = [(rid, self._matchers[rid], tokens) for rid, tokens in sampled]
+        single = [(matcher, tokens[0]) for _, matcher, tokens in work if len(tokens) == 1]
+        accepted = iter(self._llexecutor.consume_token_par(single) if single else [])
+        failed = {}
+        for rid, matcher, tokens in work:
+            ok = next(accepted) if len(tokens) == 1 else matcher.consume_tokens(tokens)
+            if not ok:
+                failed[rid] = f"tokens {tokens} broke its grammar: {matcher.get_error()}"
         for rid in failed:
             self.forget(rid)
         # A stopped matcher (its grammar complete and EOS taken) has no next mask.

@@ -157,9 +157,6 @@ class ModelRunner:
                 raise RuntimeError("a constrained request reached a runner without a grammar compiler")
             self.grammar.apply(logits, constrained)
         result = sample(logits, batch, argmax=self.ops.argmax, race=self.ops.exponential_race)
-        failed = {}
-        if constrained:
-            failed = self.grammar.advance([(rid, result.token_ids[row]) for row, rid, _, _ in constrained])
         sampled: dict[str, SampledToken] = {}
         more: dict[str, list[SampledToken]] = {}
         row = 0
@@ -181,6 +178,10 @@ class ModelRunner:
             if len(toks) > 1:
                 more[rid] = toks[1:]
             row += len(drafts) + 1
+        failed = {}
+        if constrained:
+            failed = self.grammar.advance([(rid, [t.token_id for t in [sampled[rid], *more.get(rid, [])]])
+                                           for rid in dict.fromkeys(rid for _, rid, _, _ in constrained)])
         self.phase_times["sample"] += time.perf_counter() - t2
         return RunnerOutput(sampled, prompt_logprobs, more_sampled=more, failed=failed)
 

@@ -59,10 +59,8 @@ class Speculator:
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        """Requests that may speculate: not constrained (masks would be needed at every
-        draft), and not opted out."""
-        params = req.sampling_params
-        return params.speculate and params.structured is None
+        """Requests that may speculate: those not opted out."""
+        return req.sampling_params.speculate
 
     def saturated(self, num_running: int) -> bool:
         """Whether the batch is so large that nobody speculates (nor probes)."""
