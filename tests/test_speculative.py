@@ -163,3 +163,18 @@ def test_constrained_requests_speculate_through_their_grammar():
         assert out.outputs[0].finish_reason == "stop" and check(out.outputs[0].text), out.outputs[0].text
     c = spec.engine.counters
     assert c.draft_tokens > 0 and c.accepted_draft_tokens > 0, c
+
+
+def test_bench_step_summary_reports_acceptance():
+    from travelator.bench.runner import RunResult, StepRecord
+    from travelator.engine.engine import StepStats
+
+    def step(drafts: int, accepted: int, speculating: int) -> StepRecord:
+        return StepRecord(0.0, StepStats(2, 2 + drafts, 0, 2, 0, 2, 0, 0.1, 0.01, drafts, accepted, speculating))
+
+    summary = RunResult([], 1.0, [step(8, 3, 2), step(4, 4, 1), step(0, 0, 0)]).step_summary()
+    # 7 of 12 drafts accepted over 3 drafting request-steps.
+    assert summary["draft_tokens"] == 12 and summary["accepted_draft_tokens"] == 7
+    assert summary["acceptance_rate"] == pytest.approx(7 / 12)
+    assert summary["mean_accepted_length"] == pytest.approx(7 / 3)
+    assert "draft_tokens" not in RunResult([], 1.0, [step(0, 0, 0)]).step_summary()

@@ -126,6 +126,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"steps {steps['num_steps']}, mean batch {steps.get('mean_batch_requests', 0):.1f} requests / "
           f"{steps.get('mean_batch_tokens', 0):.0f} tokens, occupancy "
           f"{steps.get('time_weighted_occupancy', 0):.0%}, preemptions {steps.get('preemptions', 0)}")
+    if steps.get("draft_tokens"):
+        print(f"speculative decoding: {steps['draft_tokens']} drafts proposed, {steps['accepted_draft_tokens']} "
+              f"accepted (acceptance {steps['acceptance_rate']:.0%}), mean accepted length "
+              f"{steps['mean_accepted_length']:.2f} per drafting request-step")
     if args.profile:
         print(profile_report(engine, run, prof))
     report = {"benchmark": "throughput", "model": model, "engine": _engine_info(engine),

@@ -55,6 +55,11 @@ class RunResult:
             "max_kv_usage": float(max(s.stats.kv_usage for s in self.steps)),
             **load,
         }
+        drafts = sum(s.stats.num_draft_tokens for s in self.steps)
+        if drafts:  # speculative decoding
+            accepted = sum(s.stats.num_accepted_draft_tokens for s in self.steps)
+            out.update(draft_tokens=drafts, accepted_draft_tokens=accepted, acceptance_rate=accepted / drafts,
+                       mean_accepted_length=accepted / sum(s.stats.num_speculating for s in self.steps))
         if self.max_num_seqs:
             out["mean_occupancy"] = float(reqs.mean() / self.max_num_seqs)
             # Weighted by step time: the share of seat-seconds doing useful work.

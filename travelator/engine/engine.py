@@ -47,6 +47,10 @@ class StepStats:
     num_waiting: int
     kv_usage: float
     duration_s: float
+    # Speculative decoding: drafts verified, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_speculating: int = 0  # requests that verified drafts
 
 
 @dataclass(slots=True)
@@ -293,6 +297,7 @@ class LLMEngine:
         c.preemptions += out.num_preempted
         c.computed_prompt_tokens += out.num_prefill_tokens
         sched = self.scheduler
+        accepted = sched.num_accepted_draft_tokens - c.accepted_draft_tokens
         c.draft_tokens, c.accepted_draft_tokens = sched.num_draft_tokens, sched.num_accepted_draft_tokens
         c.speculative_steps = sched.num_speculative_steps
         self.last_step = StepStats(
@@ -300,6 +305,8 @@ class LLMEngine:
             num_prefill_tokens=out.num_prefill_tokens, num_decodes=out.num_decodes,
             num_preempted=out.num_preempted, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_usage=self.kv.usage, duration_s=duration,
+            num_draft_tokens=out.num_draft_tokens, num_accepted_draft_tokens=accepted,
+            num_speculating=len(out.draft_token_ids),
         )
 
     def _tokens_output(self, req: Request, toks: list[SampledToken]) -> RequestOutput:
