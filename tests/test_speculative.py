@@ -178,3 +178,50 @@ def test_bench_step_summary_reports_acceptance():
     assert summary["acceptance_rate"] == pytest.approx(7 / 12)
     assert summary["mean_accepted_length"] == pytest.approx(7 / 3)
     assert "draft_tokens" not in RunResult([], 1.0, [step(0, 0, 0)]).step_summary()
+
+
+@pytest.mark.parametrize("setup", [dict(), dict(max_num_batched_tokens=24), dict(num_kv_blocks=12)])
+def test_draft_model_outputs_equal_decoding_without_drafts(tmp_path_factory, setup):
+    from hf_models import build_checkpoint
+
+    import shutil
+
+    import safetensors.torch
+    import torch
+
+    target = build_checkpoint(tmp_path_factory.mktemp("target"), "llama", max_position_embeddings=256)
+    # The draft: the target with noise on every weight, so it agrees with the target often
+    # but not always, and drafts are both accepted and refused.
+    draft = tmp_path_factory.mktemp("draft") / "m"
+    shutil.copytree(target, draft)
+    weights = safetensors.torch.load_file(draft / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    noisy = {k: w + 0.1 * w.std() * torch.randn(w.shape, generator=gen) for k, w in weights.items()}
+    safetensors.torch.save_file(noisy, draft / "model.safetensors", metadata={"format": "pt"})
+    base = dict(dtype="float32", batch_invariant=True, **setup)
+    prompts = [[1, 5, 9, 13, 17], [1, 40, 41], [1] + list(range(100, 160)), [1, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=35, ignore_eos=True)]
+    ref = LLM(str(target), **base).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_method="draft", draft_model=str(draft), num_speculative_tokens=3, **base)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(ref)
+    assert [lp.logprob for lp in got[0].outputs[0].logprobs] == [lp.logprob for lp in ref[0].outputs[0].logprobs]
+    c = llm.engine.counters
+    assert c.draft_tokens > 0 and 0 < c.accepted_draft_tokens < c.draft_tokens, c
+    report = engine_self_check(llm.engine)
+    assert report["ok"] and report["kv"]["used_blocks"] == 0, report["problems"]
+    llm.engine.step()  # the runner hears of the last finished requests at the next step
+    assert llm.engine.runner.draft._computed == {}  # ...and forgets them
+    # The target as its own draft: every draft of a greedy request is accepted.
+    same = LLM(str(target), speculative_method="draft", draft_model=str(target), speculative_policy="fixed", **base)
+    greedy = [0, 2]
+    assert _tokens(same.generate([prompts[i] for i in greedy], [params[i] for i in greedy], use_tqdm=False)) == [
+        _tokens(ref)[i] for i in greedy]
+    assert same.engine.counters.accepted_draft_tokens == same.engine.counters.draft_tokens > 0
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(target), speculative_method="draft", draft_model="dummy:tiny")
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(str(target), speculative_method="draft")

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 Batching = Literal["iteration", "static"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "draft"]
 SpeculativePolicy = Literal["adaptive", "fixed"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
@@ -129,7 +129,11 @@ class SchedulerConfig:
         "that do; then nobody is admitted past it until it fits")] = 16
     speculative_method: Annotated[SpeculativeMethod | None, Setting(
         "speculative decoding: ngram proposes the tokens that followed the latest earlier "
-        "occurrence of a request's last tokens (prompt lookup); the step verifies them")] = None
+        "occurrence of a request's last tokens (prompt lookup), draft a smaller model's greedy "
+        "tokens (--draft-model); the step verifies them")] = None
+    draft_model: Annotated[str | None, Setting(
+        "the draft model of --speculative-method draft (same vocabulary as the model): an "
+        "HF-layout directory, .gguf file or dummy:<preset>")] = None
     num_speculative_tokens: Annotated[int, Setting("most draft tokens per request and step")] = 4
     prompt_lookup_min: Annotated[int, Setting("ngram: shortest suffix looked up")] = 1
     prompt_lookup_max: Annotated[int, Setting("ngram: longest suffix looked up")] = 4
@@ -146,6 +150,8 @@ class SchedulerConfig:
         if self.speculative_method is not None:
             if self.batching == "static":
                 raise ValueError("speculative decoding needs iteration-level batching")
+            if (self.speculative_method == "draft") != (self.draft_model is not None):
+                raise ValueError("speculative_method draft needs draft_model, and draft_model needs it")
             if self.num_speculative_tokens < 1:
                 raise ValueError("num_speculative_tokens must be positive")
             if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

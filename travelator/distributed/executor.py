@@ -45,7 +45,7 @@ from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.model.arch import ModelArch
-from travelator.model.loader import WeightIterator
+from travelator.model.loader import ModelSource, WeightIterator
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class TensorParallelError(RuntimeError):
 def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
                   weights: WeightIterator | None, *, dtype: torch.dtype, kv_dtype: torch.dtype,
                   device: torch.device, max_model_len: int, seed: int,
-                  eos_token_ids: frozenset[int], grammars: GrammarCompiler | None = None) -> Executor:
+                  eos_token_ids: frozenset[int], grammars: GrammarCompiler | None = None,
+                  draft: ModelSource | None = None) -> Executor:
     """A plain ModelRunner for one rank, or the driver of a tensor-parallel group.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank but 0
@@ -71,7 +72,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         return ModelRunner(arch, weights, dtype=dtype, kv_dtype=kv_dtype, device=device,
                            max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids,
                            kernels=model.kernels, batch_invariant=model.batch_invariant,
-                           grammars=grammars)
+                           grammars=grammars, draft=draft)
     check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "

@@ -78,7 +78,7 @@ class Worker:
         r._apply_changes(out)
         if out.is_empty:
             return
-        inputs = r._prepare(out)
+        inputs = r._prepare(out, out.draft_token_ids)  # speculative decoding is single-rank for now: none
         hidden = r.model(inputs.input_ids, inputs.positions, r.kv_caches, inputs.meta)
         if inputs.sampled_ids:  # this rank's vocabulary slice of the logits goes to the driver
             r.model.compute_logits(hidden[inputs.logits_indices])

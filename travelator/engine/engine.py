@@ -25,7 +25,7 @@ from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import SampledToken
 from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.model.device import pick_device, resolve_dtype
-from travelator.model.loader import open_model
+from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,12 @@ class LLMEngine:
         # Structured outputs: grammars compiled for this tokenizer, shared by the server's
         # workers (which compile before a request is added) and the runner.
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        draft = self._draft_source()
         # One rank: a ModelRunner. Tensor parallel: the driver of the group.
         self.runner: Executor = make_executor(
             config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
             device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
-            eos_token_ids=self.eos_token_ids, grammars=self.grammars,
+            eos_token_ids=self.eos_token_ids, grammars=self.grammars, draft=draft,
         )
         self.dtype = dtype
         block_size = config.cache.block_size
@@ -119,6 +120,17 @@ class LLMEngine:
         self.runner.shutdown()
 
     # ---- set-up --------------------------------------------------------------------
+    def _draft_source(self) -> ModelSource | None:
+        """The draft model of speculative decoding, when it has one: same vocabulary."""
+        name = self.config.scheduler.draft_model
+        if name is None:
+            return None
+        source = open_model(name)
+        if source.arch.vocab_size != self.arch.vocab_size:
+            raise ValueError(f"the draft model {name} has a vocabulary of {source.arch.vocab_size} tokens, "
+                             f"the model {self.arch.vocab_size}: they must share one")
+        return source
+
     def _context_limit(self) -> int:
         limit = self.arch.max_position_embeddings
         if self.arch.sliding_window:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from travelator.distributed.comm import TPGroup
+from travelator.engine.draft_model import DraftJob, DraftModel
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
 from travelator.engine.scheduler_output import (
@@ -27,7 +28,7 @@ from travelator.engine.scheduler_output import (
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata
 from travelator.model.llama import LlamaModel
-from travelator.model.loader import WeightIterator
+from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.ops import make_ops
 from travelator.model.sampler import SamplingBatch, sample
 from travelator.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ class ModelRunner:
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
                  kernels: str = "auto", batch_invariant: bool = False,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, draft: ModelSource | None = None) -> None:
         self.arch = arch
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         # Structured outputs: masks for constrained rows (on the rank that samples).
@@ -92,6 +93,10 @@ class ModelRunner:
             model.load_weights(weights())
         self.model = model.to(device)
         self.ops.prepare(self.model.linear_weights())
+        # Speculative decoding with a draft model: it proposes in this runner, with its own KV
+        # cache over the same block ids.
+        self.draft = DraftModel(draft, dtype=dtype, kv_dtype=kv_dtype, device=device,
+                                max_model_len=max_model_len, ops=self.ops) if draft is not None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.states: dict[str, RunnerRequestState] = {}
@@ -101,7 +106,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        return block_size * self.arch.kv_bytes_per_token(itemsize) // self.tp_size
+        draft = self.draft.kv_bytes_per_block(block_size) if self.draft is not None else 0
+        return block_size * self.arch.kv_bytes_per_token(itemsize) // self.tp_size + draft
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
@@ -112,6 +118,8 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.block_size = block_size
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks, block_size)
 
     # ---- one step ------------------------------------------------------------------
     def held_request_ids(self) -> set[str]:
@@ -127,7 +135,10 @@ class ModelRunner:
         self._apply_changes(out)
         if out.is_empty:
             return RunnerOutput()
-        inputs = self._prepare(out)
+        drafts_of = dict(out.draft_token_ids)
+        if out.num_model_drafts:
+            drafts_of.update(self._propose_with_draft_model(out.num_model_drafts))
+        inputs = self._prepare(out, drafts_of)
         t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sampled_ids:
@@ -140,7 +151,7 @@ class ModelRunner:
             return RunnerOutput(prompt_logprobs=prompt_logprobs)
         states = [self.states[rid] for rid in inputs.sampled_ids]
         # Row j of a request with drafts samples the token after its first j drafts.
-        drafted = [_draft_prefix(out.draft_token_ids.get(rid), inputs.sampled_ids, row)
+        drafted = [_draft_prefix(drafts_of.get(rid), inputs.sampled_ids, row)
                    for row, rid in enumerate(inputs.sampled_ids)]
         batch = SamplingBatch(
             params=[s.sampling_params for s in states],
@@ -162,7 +173,7 @@ class ModelRunner:
         row = 0
         while row < len(inputs.sampled_ids):
             rid = inputs.sampled_ids[row]
-            drafts = out.draft_token_ids.get(rid, [])
+            drafts = drafts_of.get(rid, [])
             # Keep the drafts up to the first its own sample disagrees with, plus that sample.
             toks = []
             for j in range(len(drafts) + 1):
@@ -173,6 +184,8 @@ class ModelRunner:
                 ))
                 if j == len(drafts) or result.token_ids[row + j] != drafts[j]:
                     break
+            if rid in out.num_model_drafts:
+                self.draft.accepted(rid, len(self.states[rid].token_ids), len(drafts), len(toks) - 1)
             self.states[rid].token_ids.extend(t.token_id for t in toks)
             sampled[rid] = toks[0]
             if len(toks) > 1:
@@ -228,9 +241,13 @@ class ModelRunner:
             self.states.pop(rid, None)
             if self.grammar is not None:
                 self.grammar.forget(rid)
+            if self.draft is not None:
+                self.draft.forget(rid)
         for new in out.new_requests:
             if self.grammar is not None:  # readmitted: its matcher is rebuilt from its outputs
                 self.grammar.forget(new.request_id)
+            if self.draft is not None:  # readmitted: the draft computes it again
+                self.draft.forget(new.request_id)
             self.states[new.request_id] = RunnerRequestState(
                 new.request_id,
                 len(new.prompt_token_ids),
@@ -244,7 +261,11 @@ class ModelRunner:
             s.block_ids.extend(c.new_block_ids)
             s.num_computed_tokens = c.num_computed_tokens
 
-    def _prepare(self, out: SchedulerOutput) -> StepInputs:
+    def _propose_with_draft_model(self, counts: dict[str, int]) -> dict[str, list[int]]:
+        jobs = [DraftJob(rid, self.states[rid].token_ids, self.states[rid].block_ids, k) for rid, k in counts.items()]
+        return self.draft.propose(jobs)
+
+    def _prepare(self, out: SchedulerOutput, drafts_of: dict[str, list[int]]) -> StepInputs:
         bs = self.block_size
         # Decodes (one query each) first: the torch fallback batches them in one call.
         items = list(out.num_scheduled_tokens.items())
@@ -266,7 +287,7 @@ class ModelRunner:
             s = self.states[rid]
             start = s.num_computed_tokens
             end = start + n
-            drafts = out.draft_token_ids.get(rid, [])
+            drafts = drafts_of.get(rid, [])
             assert end == len(s.token_ids) + len(drafts) if drafts else end <= len(s.token_ids), \
                 "scheduled past the known tokens"
             input_ids.extend(s.token_ids[start:end] + drafts)

@@ -41,7 +41,8 @@ class SchedulerBase:
         self.speculator = Speculator(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
             config.speculative_policy == "adaptive", config.speculation_saturation_rows,
-        ) if config.speculative_method == "ngram" else None
+            by_model=config.speculative_method == "draft",
+        ) if config.speculative_method is not None else None
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,11 +135,14 @@ class SchedulerBase:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             known = len(self.kv.block_ids(req.request_id))
-            drafts = self._drafts(req, budget)
-            if drafts:
-                self._add_to_output(out, req, 1 + len(drafts), known)
-                out.draft_token_ids[req.request_id] = drafts
-                budget -= 1 + len(drafts)
+            drafts, k = self._drafts(req, budget)
+            if k:
+                self._add_to_output(out, req, 1 + k, known)
+                if drafts:
+                    out.draft_token_ids[req.request_id] = drafts
+                else:
+                    out.num_model_drafts[req.request_id] = k
+                budget -= 1 + k
                 i += 1
                 continue
             n = self._schedule_tokens(req, budget)
@@ -158,31 +162,34 @@ class SchedulerBase:
             i += 1
         return budget, preempted
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Speculative decoding: draft tokens for a decoding request, with blocks allocated
-        for them (none when the pool has no room: it then decodes as usual)."""
+    def _drafts(self, req: Request, budget: int) -> tuple[list[int], int]:
+        """Speculative decoding: how many drafts a decoding request verifies, and which (none
+        listed when a draft model proposes them in the runner), with blocks allocated for
+        them (none when the pool has no room: it then decodes as usual)."""
         req.speculation_probe = None
-        if (self.speculator is None or req.num_computed_tokens != req.num_tokens - 1
-                or self.speculator.saturated(len(self.running))
-                or not self.kv.block_ids(req.request_id) or not self.speculator.eligible(req)):
-            return []
+        spec = self.speculator
+        if (spec is None or req.num_computed_tokens != req.num_tokens - 1 or spec.saturated(len(self.running))
+                or not self.kv.block_ids(req.request_id) or not spec.eligible(req)):
+            return [], 0
         # No drafts past max_tokens: each accepted one is an output token.
-        room = min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1)
-        proposal = self.speculator.propose(req, max(room, 0))
-        k = min(self.speculator.length(req, len(self.running)), len(proposal))
+        room = max(min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1), 0)
+        k = min(spec.length(req, len(self.running)), room)
+        proposal = [] if spec.by_model else spec.propose(req, room)
+        if not spec.by_model:
+            k = min(k, len(proposal))
         if k == 0:
             req.speculation_probe = proposal[0] if proposal else None
-            return []
+            return [], 0
         if self.kv.allocate_slots(req, req.num_tokens + k) is None:
-            return []
-        return proposal[:k]
+            return [], 0
+        return proposal[:k], k
 
-    def _record_speculation(self, req: Request, drafts, toks: list[SampledToken]) -> None:
+    def _record_speculation(self, req: Request, drafts: int, toks: list[SampledToken]) -> None:
         """Drafts verified (or the step's free probe): how many the request's samples took."""
         if drafts:
             accepted = len(toks) - 1
-            req.speculation.record(len(drafts), accepted)
-            self.num_draft_tokens += len(drafts)
+            req.speculation.record(drafts, accepted)
+            self.num_draft_tokens += drafts
             self.num_accepted_draft_tokens += accepted
             self.num_speculative_steps += 1
         elif req.speculation_probe is not None:
@@ -273,10 +280,10 @@ class SchedulerBase:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            drafts = out.draft_token_ids.get(rid, ())
+            drafts = out.num_drafts(rid)
             toks = result.tokens_of(rid)
             # Valid KV: what was computed, less the drafts its own samples refused.
-            req.num_computed_tokens += n - (len(drafts) - max(len(toks) - 1, 0))
+            req.num_computed_tokens += n - (drafts - max(len(toks) - 1, 0))
             if (plp := result.prompt_logprobs.get(rid)) is not None:
                 req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs, plp.ranks)
             if not toks:

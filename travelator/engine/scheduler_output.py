@@ -44,10 +44,15 @@ class SchedulerOutput:
     # Speculative decoding: request id -> draft tokens computed after its last sampled token
     # (counted in its num_scheduled_tokens).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # ...or, with a draft model, how many drafts the runner proposes for the request.
+    num_model_drafts: dict[str, int] = field(default_factory=dict)
+
+    def num_drafts(self, request_id: str) -> int:
+        return len(self.draft_token_ids.get(request_id, ())) or self.num_model_drafts.get(request_id, 0)
 
     @property
     def num_draft_tokens(self) -> int:
-        return sum(len(d) for d in self.draft_token_ids.values())
+        return sum(len(d) for d in self.draft_token_ids.values()) + sum(self.num_model_drafts.values())
 
     @property
     def total_num_scheduled_tokens(self) -> int:

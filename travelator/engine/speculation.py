@@ -50,7 +50,9 @@ def as_text(tokens: Sequence[int]) -> str:
 
 class Speculator:
     def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, adaptive: bool,
-                 saturation_rows: int) -> None:
+                 saturation_rows: int, by_model: bool = False) -> None:
+        # by_model: a draft model in the runner proposes (the scheduler only decides how many).
+        self.by_model = by_model
         self.num_tokens = num_tokens
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
@@ -77,7 +79,8 @@ class Speculator:
         k = 0
         while k < self.num_tokens and a ** (k + 1) > threshold:
             k += 1
-        return k
+        # A draft model's acceptance is seen only when it drafts: keep one draft to measure it.
+        return max(k, 1) if self.by_model else k
 
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to ``limit`` drafts for a decoding request (the lookup's full length, so a
