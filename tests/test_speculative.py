@@ -55,6 +55,22 @@ def test_adaptive_length_by_hand():
     assert spec.length(_request(20, 20), 32) == 0
     fixed = Speculator(num_tokens=3, ngram_min=1, ngram_max=3, adaptive=False, saturation_rows=32)
     assert fixed.length(_request(10, 0), 100) == 3
+    # With step times measured: 10 ms fixed + 0.5 ms a row. At 4 rows a row's share is
+    # 2 / 12 = 0.167: acceptance 1/2 gives 2 drafts (0.25 > 0.167 > 0.125).
+    for rows in (1, 5, 9) * 3:
+        spec.cost.observe(rows, 0.010 + 0.0005 * rows)
+    assert spec.cost.row_share(4) == pytest.approx(2 / 12)
+    assert spec.length(_request(0, 0), 4) == 2
+    # A per-row-bound step (0.1 ms fixed + 1 ms a row): at 4 rows the share is 0.976, no drafts.
+    busy = Speculator(num_tokens=4, ngram_min=1, ngram_max=3, adaptive=True, saturation_rows=32)
+    for rows in (1, 5, 9) * 3:
+        busy.cost.observe(rows, 0.0001 + 0.001 * rows)
+    assert busy.length(_request(0, 0), 4) == 0
+    # Steps all of one size say nothing about a row's cost: the fallback holds.
+    flat = Speculator(num_tokens=4, ngram_min=1, ngram_max=3, adaptive=True, saturation_rows=32)
+    for _ in range(20):
+        flat.cost.observe(8, 0.02)
+    assert flat.cost.row_share(8) is None and flat.length(_request(0, 0), 8) == 1
 
 
 REPEATS = [

@@ -9,13 +9,15 @@ would have made without drafts, so speculation never changes what a request gene
 how many of its tokens one step yields.
 
 How many drafts: a draft is worth verifying when the chance that it is accepted beats what an
-extra row costs the step. The chance of the j-th draft is estimated as ``a**j``, ``a`` the
-request's measured acceptance rate (counted even while it does not speculate: the proposal is
-compared with the token it then samples, for free). An extra row costs little while the step
-is bound by reading the weights and about a full token once it is bound by compute; the
-threshold grows with the batch: ``running / saturation_rows``. So at low load requests
-speculate as far as their acceptance allows, and from ``saturation_rows`` running requests on
-they do not speculate at all.
+extra row costs the step, as a share of the step. The chance of the j-th draft is estimated as
+``a**j``, ``a`` the request's measured acceptance rate (counted even while it does not
+speculate: the proposal is compared with the token it then samples, for free). The cost comes
+from the engine's own step times: ``StepCost`` fits ``time = fixed + per_row * rows`` over
+recent steps, and one more row of a step of R rows costs the share ``per_row * R / (fixed +
+per_row * R)`` of it (small while a step mostly streams the weights, near 1 once it is bound
+by compute or by per-row work). Until the fit has seen steps of different sizes the share is
+taken as ``running / saturation_rows``; from ``saturation_rows`` running requests on nobody
+speculates.
 """
 
 from __future__ import annotations
@@ -48,6 +50,39 @@ def as_text(tokens: Sequence[int]) -> str:
     return "".join(map(chr, tokens))
 
 
+class StepCost:
+    """Step time against the rows (tokens) a step computed, fitted online by least squares
+    over recent steps, older ones fading: ``time = fixed + per_row * rows``."""
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._seen = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._seen += 1
+        d = self.decay
+        self._n = self._n * d + 1
+        self._x = self._x * d + rows
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * seconds
+
+    def row_share(self, rows: int) -> float | None:
+        """What share of a step of ``rows`` rows grows with its rows; None until steps of
+        clearly different sizes were seen."""
+        if self._seen < 8:
+            return None
+        mean_x = self._x / self._n
+        var_x = self._xx / self._n - mean_x * mean_x
+        if var_x < max(1.0, 0.01 * mean_x * mean_x):
+            return None
+        per_row = max((self._xy / self._n - mean_x * self._y / self._n) / var_x, 0.0)
+        fixed = max(self._y / self._n - per_row * mean_x, 0.0)
+        total = fixed + per_row * rows
+        return per_row * rows / total if total > 0 else None
+
+
 class Speculator:
     def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, adaptive: bool,
                  saturation_rows: int, by_model: bool = False) -> None:
@@ -58,6 +93,7 @@ class Speculator:
         self.ngram_max = ngram_max
         self.adaptive = adaptive
         self.saturation_rows = saturation_rows
+        self.cost = StepCost()
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -72,9 +108,10 @@ class Speculator:
         """How many drafts ``req`` verifies this step, with ``num_running`` requests running."""
         if not self.adaptive:
             return self.num_tokens
-        threshold = num_running / self.saturation_rows
-        if threshold >= 1:
+        if num_running >= self.saturation_rows:
             return 0
+        share = self.cost.row_share(num_running)
+        threshold = num_running / self.saturation_rows if share is None else share
         a = req.speculation.acceptance
         k = 0
         while k < self.num_tokens and a ** (k + 1) > threshold:
