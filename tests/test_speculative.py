@@ -55,23 +55,24 @@ def test_adaptive_length_by_hand():
     assert spec.length(_request(20, 20), 32) == 0
     fixed = Speculator(num_tokens=3, ngram_min=1, ngram_max=3, adaptive=False, saturation_rows=32)
     assert fixed.length(_request(10, 0), 100) == 3
-    # With step times measured: 10 ms fixed + 0.5 ms a row. At 4 rows a row's share is
-    # 2 / 12 = 0.167: acceptance 1/2 gives 2 drafts (0.25 > 0.167 > 0.125).
-    for rows in (1, 5, 9) * 3:
-        spec.cost.observe(rows, 0.010 + 0.0005 * rows)
-    assert spec.cost.row_share(4) == pytest.approx(2 / 12)
-    assert spec.length(_request(0, 0), 4) == 2
-    # A per-row-bound step (0.1 ms fixed + 1 ms a row): at 4 rows the share is 0.976, no drafts.
+    # With step times measured: 10 ms fixed + 1 ms a request + 0.25 ms a row. At 4 requests
+    # a draft needs acceptance above 4 * 0.25 / (10 + 4 * 1.25) = 1/15: acceptance 1/2 gives
+    # 3 drafts (0.125 > 0.0667 > 0.0625).
+    for requests, rows in [(1, 1), (4, 4), (4, 12), (8, 8), (8, 20), (2, 9)] * 2:
+        spec.cost.observe(requests, rows, 0.010 + 0.001 * requests + 0.00025 * rows)
+    assert spec.cost.fit() == pytest.approx((0.010, 0.001, 0.00025))
+    assert spec.cost.draft_share(4) == pytest.approx(1 / 15)
+    assert spec.length(_request(0, 0), 4) == 3
+    # A step bound by its rows (0.1 ms fixed, 1 ms a row): at 4 requests the share is 0.98.
     busy = Speculator(num_tokens=4, ngram_min=1, ngram_max=3, adaptive=True, saturation_rows=32)
-    for rows in (1, 5, 9) * 3:
-        busy.cost.observe(rows, 0.0001 + 0.001 * rows)
+    for requests, rows in [(1, 1), (4, 4), (4, 12), (8, 8), (8, 20), (2, 9)] * 2:
+        busy.cost.observe(requests, rows, 0.0001 + 0.001 * rows)
     assert busy.length(_request(0, 0), 4) == 0
-    # Steps all of one size say nothing about a row's cost: the fallback holds.
+    # Steps whose rows always equal their requests cannot tell a draft's cost: the fallback.
     flat = Speculator(num_tokens=4, ngram_min=1, ngram_max=3, adaptive=True, saturation_rows=32)
-    for _ in range(20):
-        flat.cost.observe(8, 0.02)
-    assert flat.cost.row_share(8) is None and flat.length(_request(0, 0), 8) == 1
-
+    for n in (4, 8, 16) * 4:
+        flat.cost.observe(n, n, 0.01 + 0.001 * n)
+    assert flat.cost.fit() is None and flat.length(_request(0, 0), 8) == 1
 
 REPEATS = [
     "Once upon a time, there was a little girl named Lily. She loved to play. Once upon a time, there was",

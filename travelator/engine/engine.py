@@ -309,8 +309,10 @@ class LLMEngine:
         c.preemptions += out.num_preempted
         c.computed_prompt_tokens += out.num_prefill_tokens
         sched = self.scheduler
-        if sched.speculator is not None:  # what a row costs a step, for the adaptive policy
-            sched.speculator.cost.observe(out.total_num_scheduled_tokens, duration)
+        if sched.speculator is not None and not out.num_prefill_tokens:
+            # What a decode or draft row costs a step, for the adaptive policy (prompt tokens
+            # cost otherwise: no sampling, a different attention shape).
+            sched.speculator.cost.observe(out.num_decodes, out.total_num_scheduled_tokens, duration)
         accepted = sched.num_accepted_draft_tokens - c.accepted_draft_tokens
         c.draft_tokens, c.accepted_draft_tokens = sched.num_draft_tokens, sched.num_accepted_draft_tokens
         c.speculative_steps = sched.num_speculative_steps

@@ -12,10 +12,11 @@ How many drafts: a draft is worth verifying when the chance that it is accepted 
 extra row costs the step, as a share of the step. The chance of the j-th draft is estimated as
 ``a**j``, ``a`` the request's measured acceptance rate (counted even while it does not
 speculate: the proposal is compared with the token it then samples, for free). The cost comes
-from the engine's own step times: ``StepCost`` fits ``time = fixed + per_row * rows`` over
-recent steps, and one more row of a step of R rows costs the share ``per_row * R / (fixed +
-per_row * R)`` of it (small while a step mostly streams the weights, near 1 once it is bound
-by compute or by per-row work). Until the fit has seen steps of different sizes the share is
+from the engine's own step times: ``StepCost`` fits ``time = fixed + per_request * requests
++ per_row * rows`` over recent steps that computed no prompt (a draft adds a row, not a
+request), and a draft must be accepted with probability above ``per_row * R / time`` for a
+step of R decodes to yield more tokens per second with it (small while a step mostly streams
+the weights, near 1 once it is bound by compute). Until the fit has seen steps of different sizes the share is
 taken as ``running / saturation_rows``; from ``saturation_rows`` running requests on nobody
 speculates.
 """
@@ -51,36 +52,58 @@ def as_text(tokens: Sequence[int]) -> str:
 
 
 class StepCost:
-    """Step time against the rows (tokens) a step computed, fitted online by least squares
-    over recent steps, older ones fading: ``time = fixed + per_row * rows``."""
+    """Decode steps' time against the requests and the rows (tokens) they computed, fitted
+    online by least squares over recent steps, older ones fading:
+    ``time = fixed + per_request * requests + per_row * rows``. A draft adds a row but not a
+    request: it shares its request's pass over the KV cache, its sampling call, its Python."""
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
         self._seen = 0
+        # Faded sums of x x^T and x y for x = (1, requests, rows).
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, requests: int, rows: int, seconds: float) -> None:
         self._seen += 1
-        d = self.decay
-        self._n = self._n * d + 1
-        self._x = self._x * d + rows
-        self._y = self._y * d + seconds
-        self._xx = self._xx * d + rows * rows
-        self._xy = self._xy * d + rows * seconds
+        x = (1.0, float(requests), float(rows))
+        for i in range(3):
+            self._xy[i] = self._xy[i] * self.decay + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = self._xx[i][j] * self.decay + x[i] * x[j]
 
-    def row_share(self, rows: int) -> float | None:
-        """What share of a step of ``rows`` rows grows with its rows; None until steps of
-        clearly different sizes were seen."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """(fixed, per_request, per_row), or None until steps of clearly different shapes
+        were seen (with rows always equal to requests the two cannot be told apart)."""
         if self._seen < 8:
             return None
-        mean_x = self._x / self._n
-        var_x = self._xx / self._n - mean_x * mean_x
-        if var_x < max(1.0, 0.01 * mean_x * mean_x):
+        m, v = self._xx, self._xy
+        det = _det3(m)
+        scale = m[0][0] * m[1][1] * m[2][2]
+        if scale <= 0 or abs(det) < 1e-6 * scale:
             return None
-        per_row = max((self._xy / self._n - mean_x * self._y / self._n) / var_x, 0.0)
-        fixed = max(self._y / self._n - per_row * mean_x, 0.0)
-        total = fixed + per_row * rows
-        return per_row * rows / total if total > 0 else None
+        coef = []
+        for col in range(3):
+            replaced = [[v[i] if j == col else m[i][j] for j in range(3)] for i in range(3)]
+            coef.append(_det3(replaced) / det)
+        fixed, per_request, per_row = (max(c, 0.0) for c in coef)
+        return fixed, per_request, per_row
+
+    def draft_share(self, requests: int) -> float | None:
+        """One draft row's cost against what a step of ``requests`` decodes yields per
+        request-token: ``per_row * requests / time``, the acceptance a draft needs to pay."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        fixed, per_request, per_row = fit
+        total = fixed + (per_request + per_row) * requests
+        return per_row * requests / total if total > 0 else None
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
 class Speculator:
@@ -110,7 +133,7 @@ class Speculator:
             return self.num_tokens
         if num_running >= self.saturation_rows:
             return 0
-        share = self.cost.row_share(num_running)
+        share = self.cost.draft_share(num_running)
         threshold = num_running / self.saturation_rows if share is None else share
         a = req.speculation.acceptance
         k = 0
