@@ -112,10 +112,14 @@ def test_stories_outputs_equal_decoding_without_drafts(policy, setup):
         assert c.preemptions > 0
     # Seeded sampling: the same draws, so the same tokens; stop strings and max_tokens cut
     # a step's tokens where they end the request.
-    sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=20 + 9 * i, stop=["sun was h"] if i == 2 else [])
+    # Penalties see the drafts before each row as outputs, as decoding token by token would.
+    sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=20 + 9 * i, stop=["sun was h"] if i == 2 else [],
+                              frequency_penalty=0.4 if i == 1 else 0.0, repetition_penalty=1.3 if i == 3 else 1.0)
                for i in range(len(REPEATS))]
+    hits = on.engine.kv.stats.hit_tokens
     ref, got = _run(off, sampled), _run(on, sampled)
     assert _tokens(got) == _tokens(ref)
+    assert on.engine.kv.stats.hit_tokens > hits  # the prompts were seen in the greedy run
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in ref]
     # Opted out: no drafts at all.
