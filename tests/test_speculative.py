@@ -248,3 +248,24 @@ def test_draft_model_outputs_equal_decoding_without_drafts(tmp_path_factory, set
         LLM(str(target), speculative_method="draft", draft_model="dummy:tiny")
     with pytest.raises(ValueError, match="draft_model"):
         LLM(str(target), speculative_method="draft")
+
+
+@needs_stories
+def test_an_accepted_draft_eos_ends_a_constrained_request():
+    """The prompt holds the request's own answer followed by EOS and more tokens, so the
+    lookup drafts the answer, EOS, and what followed it: the request ends at EOS, whole."""
+    from travelator.structured import StructuredOutput
+
+    base = dict(dtype="float32", batch_invariant=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutput(choice=("big red dog",)))
+    off = LLM(str(STORIES), **base)
+    answer = off.generate([[1, 300, 301]], params, use_tqdm=False)[0].outputs[0].token_ids
+    eos = next(iter(off.engine.eos_token_ids))
+    body = [t for t in answer if t != eos]
+    prompt = [1, 300, 301] + body + [eos, 7, 8, 9, 10] + [300, 301]
+    ref = off.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    on = LLM(str(STORIES), speculative_method="ngram", speculative_policy="fixed", **base)
+    got = on.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert got.finish_reason == "stop" and got.text == "big red dog", got
+    assert got.token_ids == ref.token_ids
+    assert on.engine.counters.accepted_draft_tokens >= 4  # the answer came as drafts

@@ -25,6 +25,10 @@ from travelator.model.loader import ModelSource
 from travelator.model.ops import TorchOps
 
 
+# Most tokens in one pass of the draft model: catching up a long prompt takes several.
+MAX_PASS_TOKENS = 1024
+
+
 @dataclass(slots=True)
 class DraftJob:
     """One request that drafts this step."""
@@ -71,11 +75,23 @@ class DraftModel:
     def propose(self, jobs: list[DraftJob]) -> dict[str, list[int]]:
         """Greedy drafts for every job."""
         drafts: dict[str, list[int]] = {job.request_id: [] for job in jobs}
-        # First pass: what each request's draft has not computed yet, up to its last token.
-        starts = [min(self._computed.get(job.request_id, 0), len(job.token_ids) - 1) for job in jobs]
-        spans = [(job, start, job.token_ids[start:]) for job, start in zip(jobs, starts)]
-        for (job, _, _), token in zip(spans, self._forward(spans)):
-            drafts[job.request_id].append(token)
+        # First: what each request's draft has not computed yet, up to its last token (the
+        # whole prompt after a prefix-cache hit or a readmission), in passes of at most
+        # MAX_PASS_TOKENS tokens; the argmax after the last token is the first draft.
+        spans = []
+        for job in jobs:
+            start = min(self._computed.get(job.request_id, 0), len(job.token_ids) - 1)
+            while len(job.token_ids) - start > MAX_PASS_TOKENS:
+                self._forward([(job, start, job.token_ids[start:start + MAX_PASS_TOKENS])])
+                start += MAX_PASS_TOKENS
+            spans.append((job, start, job.token_ids[start:]))
+        group: list[tuple[DraftJob, int, list[int]]] = []
+        for i, span in enumerate(spans):
+            group.append(span)
+            if i == len(spans) - 1 or sum(len(t) for _, _, t in group) + len(spans[i + 1][2]) > MAX_PASS_TOKENS:
+                for (job, _, _), token in zip(group, self._forward(group)):
+                    drafts[job.request_id].append(token)
+                group = []
         for job in jobs:
             self._computed[job.request_id] = len(job.token_ids)
         # Then one token at a time, for those that want more.

@@ -322,7 +322,7 @@ class LLMEngine:
             num_preempted=out.num_preempted, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_usage=self.kv.usage, duration_s=duration,
             num_draft_tokens=out.num_draft_tokens, num_accepted_draft_tokens=accepted,
-            num_speculating=len(out.draft_token_ids),
+            num_speculating=len(out.draft_token_ids) + len(out.num_model_drafts),
         )
 
     def _tokens_output(self, req: Request, toks: list[SampledToken]) -> RequestOutput:

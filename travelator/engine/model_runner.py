@@ -19,6 +19,7 @@ from travelator.distributed.comm import TPGroup
 from travelator.engine.draft_model import DraftJob, DraftModel
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
+from travelator.engine.request import ends_with_token
 from travelator.engine.scheduler_output import (
     PromptLogprobs,
     RunnerOutput,
@@ -174,19 +175,24 @@ class ModelRunner:
         while row < len(inputs.sampled_ids):
             rid = inputs.sampled_ids[row]
             drafts = drafts_of.get(rid, [])
-            # Keep the drafts up to the first its own sample disagrees with, plus that sample.
+            s = self.states[rid]
+            num_outputs = len(s.token_ids) - s.num_prompt_tokens
+            # Keep the drafts up to the first its own sample disagrees with, plus that sample,
+            # and nothing after a token that ends the request (EOS, a stop token).
             toks = []
             for j in range(len(drafts) + 1):
+                token = result.token_ids[row + j]
                 toks.append(SampledToken(
-                    result.token_ids[row + j],
+                    token,
                     result.logprobs[row + j] if result.logprobs is not None else None,
                     result.top_logprobs[row + j] if result.top_logprobs is not None else None,
                 ))
-                if j == len(drafts) or result.token_ids[row + j] != drafts[j]:
+                if (j == len(drafts) or token != drafts[j]
+                        or ends_with_token(s.sampling_params, self.eos_token_ids, token, num_outputs + j + 1)):
                     break
             if rid in out.num_model_drafts:
-                self.draft.accepted(rid, len(self.states[rid].token_ids), len(drafts), len(toks) - 1)
-            self.states[rid].token_ids.extend(t.token_id for t in toks)
+                self.draft.accepted(rid, len(s.token_ids), len(drafts), len(toks) - 1)
+            s.token_ids.extend(t.token_id for t in toks)
             sampled[rid] = toks[0]
             if len(toks) > 1:
                 more[rid] = toks[1:]

@@ -46,6 +46,19 @@ class RequestTimes:
     finished: float | None = None
 
 
+def _stops_at_eos(params: SamplingParams) -> bool:
+    # A constrained request ends at EOS, which its grammar allows only once complete.
+    return not params.ignore_eos or params.structured is not None
+
+
+def ends_with_token(params: SamplingParams, eos_token_ids: frozenset[int], token: int, num_outputs: int) -> bool:
+    """Whether ``token``, as output number ``num_outputs`` (counting it), ends its request:
+    EOS or a stop token, once ``min_tokens`` are out (length is checked apart)."""
+    if num_outputs < params.min_tokens:
+        return False
+    return (_stops_at_eos(params) and token in eos_token_ids) or token in params.stop_token_ids
+
+
 @dataclass(slots=True)
 class SpeculationStats:
     """A request's record under speculative decoding: drafts (and free probes) proposed,
@@ -133,15 +146,11 @@ class Request:
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
-        if n_out >= params.min_tokens:
-            # A constrained request ends at EOS, which its grammar allows only once complete.
-            if (not params.ignore_eos or params.structured is not None) and last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
+        if ends_with_token(params, self.eos_token_ids, last, n_out):
+            self.status = RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids and not (last in self.eos_token_ids and _stops_at_eos(params)):
                 self.stop_reason = last
-                return True
+            return True
         if n_out >= self.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True

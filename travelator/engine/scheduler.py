@@ -11,7 +11,7 @@ import time
 from collections import deque
 
 from travelator.config import SchedulerConfig
-from travelator.engine.kv_cache import KVCacheManager
+from travelator.engine.kv_cache import KVCacheManager, blocks_for
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.speculation import Speculator
 from travelator.engine.scheduler_output import (
@@ -174,13 +174,17 @@ class SchedulerBase:
         # No drafts past max_tokens: each accepted one is an output token.
         room = max(min(budget - 1, req.max_tokens - len(req.output_token_ids) - 1), 0)
         k = min(spec.length(req, len(self.running)), room)
-        proposal = [] if spec.by_model else spec.propose(req, room)
+        # n-gram: the proposal itself, or one token to probe acceptance with.
+        proposal = [] if spec.by_model or room == 0 else spec.propose(req, max(k, 1))
         if not spec.by_model:
             k = min(k, len(proposal))
         if k == 0:
             req.speculation_probe = proposal[0] if proposal else None
             return [], 0
-        if self.kv.allocate_slots(req, req.num_tokens + k) is None:
+        # Drafts are optional: not when the pool is nearly full (the blocks they take could
+        # make a later running request preempt another to decode at all).
+        extra = blocks_for(req.num_tokens + k, self.kv.block_size) - len(self.kv.block_ids(req.request_id))
+        if self.kv.num_free_blocks - extra < len(self.running) or self.kv.allocate_slots(req, req.num_tokens + k) is None:
             return [], 0
         return proposal[:k], k
 
