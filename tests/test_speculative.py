@@ -269,3 +269,31 @@ def test_an_accepted_draft_eos_ends_a_constrained_request():
     assert got.finish_reason == "stop" and got.text == "big red dog", got
     assert got.token_ids == ref.token_ids
     assert on.engine.counters.accepted_draft_tokens >= 4  # the answer came as drafts
+
+
+@needs_stories
+def test_server_streams_several_tokens_a_step():
+    import openai
+
+    from live import serve_in_thread
+    from travelator.engine.async_engine import AsyncEngine
+    from travelator.server.app import build_app
+    from travelator.server.settings import ServerSettings
+
+    llm = LLM(str(STORIES), dtype="float32", speculative_method="ngram", speculative_policy="fixed")
+    app = build_app(AsyncEngine(llm.engine), ServerSettings(served_model_names=["stories"]))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        kw = dict(model="stories", prompt=REPEATS[2], max_tokens=40, temperature=0.0, logprobs=1)
+        whole = client.completions.create(**kw)
+        text, tokens, chunks = "", 0, 0
+        for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                tokens += len(chunk.choices[0].logprobs.tokens) if chunk.choices[0].logprobs else 0
+                chunks += 1
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens == whole.usage.completion_tokens == 40
+        assert text == whole.choices[0].text and tokens == 40
+        assert chunks < 40  # several tokens arrived in one step's chunk
+    assert llm.engine.counters.accepted_draft_tokens > 0
