@@ -142,8 +142,8 @@ class SchedulerConfig:
         "from --speculation-saturation-rows running requests on); fixed: always "
         "--num-speculative-tokens")] = "adaptive"
     speculation_saturation_rows: Annotated[int, Setting(
-        "adaptive: running requests at which an extra row costs a step about a full token "
-        "(the step is compute-bound), so nobody speculates")] = 32
+        "adaptive: running requests from which nobody speculates; below it, drafts are priced "
+        "by the measured cost of a row (until measured: running / this)")] = 128
 
     def validate(self) -> None:
         _check_choices(self)
