@@ -22,7 +22,7 @@ from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
-from travelator.engine.scheduler_output import SampledToken
+from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.model.device import pick_device, resolve_dtype
 from travelator.model.loader import ModelSource, open_model
@@ -300,10 +300,10 @@ class LLMEngine:
         outputs += [self._tokens_output(req, toks) if toks else self._finish_output(req)
                     for req, toks in updated]
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
-        self._record_step(out, time.perf_counter() - t0)
+        self._record_step(out, result, time.perf_counter() - t0)
         return outputs
 
-    def _record_step(self, out, duration: float) -> None:
+    def _record_step(self, out: SchedulerOutput, result: RunnerOutput, duration: float) -> None:
         c = self.counters
         c.steps += 1
         c.preemptions += out.num_preempted
@@ -313,16 +313,18 @@ class LLMEngine:
             # What a decode or draft row costs a step, for the adaptive policy (prompt tokens
             # cost otherwise: no sampling, a different attention shape).
             sched.speculator.cost.observe(out.num_decodes, out.total_num_scheduled_tokens, duration)
-        accepted = sched.num_accepted_draft_tokens - c.accepted_draft_tokens
-        c.draft_tokens, c.accepted_draft_tokens = sched.num_draft_tokens, sched.num_accepted_draft_tokens
-        c.speculative_steps = sched.num_speculative_steps
+        drafting = out.drafting_request_ids
+        accepted = sum(max(len(result.tokens_of(rid)) - 1, 0) for rid in drafting)
+        c.draft_tokens += out.num_draft_tokens
+        c.accepted_draft_tokens += accepted
+        c.speculative_steps += len(drafting)
         self.last_step = StepStats(
             num_requests=len(out.num_scheduled_tokens), num_tokens=out.total_num_scheduled_tokens,
             num_prefill_tokens=out.num_prefill_tokens, num_decodes=out.num_decodes,
             num_preempted=out.num_preempted, num_running=self.num_running,
             num_waiting=self.num_waiting, kv_usage=self.kv.usage, duration_s=duration,
             num_draft_tokens=out.num_draft_tokens, num_accepted_draft_tokens=accepted,
-            num_speculating=len(out.draft_token_ids) + len(out.num_model_drafts),
+            num_speculating=len(drafting),
         )
 
     def _tokens_output(self, req: Request, toks: list[SampledToken]) -> RequestOutput:

@@ -3,14 +3,16 @@ request, a token mask per constrained row before sampling, and the matcher advan
 sampled token. Unconstrained rows are not touched.
 
 A matcher is made the first time its request samples (a copy of its grammar's compiled
-template, see GrammarCompiler), advanced over the output tokens the request already has, so a request readmitted after a preemption (whose runner state
-was rebuilt) resumes its grammar where it was.
+template, see GrammarCompiler), advanced over the output tokens the request already has, so a
+request readmitted after a preemption (whose runner state was rebuilt) resumes its grammar
+where it was.
 
 Filling a mask is the grammar's cost (tens of microseconds a row with a 32k vocabulary), so
 it is kept off the step's critical path: once a step has sampled and advanced the matchers
-(cheap), one background thread fills their next masks while the next step's forward pass runs. llguidance releases the GIL for that work. The next step waits for
-it only where it is not done, and fills on the spot the masks of requests that were not in the
-previous step (new, or readmitted).
+(cheap), one background thread fills their next masks while the next step's forward pass
+runs; llguidance releases the GIL for that work. The next step waits for it only where it is
+not done, and fills on the spot the masks of requests that were not in the previous step (new,
+or readmitted).
 """
 
 from __future__ import annotations

@@ -59,16 +59,6 @@ class StepInputs:
     prompt_spans: list[tuple[str, int, int, int]]
 
 
-def _draft_prefix(drafts: list[int] | None, sampled_ids: list[str], row: int) -> list[int]:
-    """The drafts that come before logits row ``row`` of its request (none without drafts)."""
-    if not drafts:
-        return []
-    first = row
-    while first > 0 and sampled_ids[first - 1] == sampled_ids[row]:
-        first -= 1
-    return drafts[:row - first]
-
-
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: WeightIterator | None, *, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
@@ -151,9 +141,12 @@ class ModelRunner:
         if not inputs.sampled_ids:
             return RunnerOutput(prompt_logprobs=prompt_logprobs)
         states = [self.states[rid] for rid in inputs.sampled_ids]
-        # Row j of a request with drafts samples the token after its first j drafts.
-        drafted = [_draft_prefix(drafts_of.get(rid), inputs.sampled_ids, row)
-                   for row, rid in enumerate(inputs.sampled_ids)]
+        # Row j of a request with drafts (its rows are consecutive) samples the token after
+        # its first j drafts.
+        drafted, j = [], 0
+        for row, rid in enumerate(inputs.sampled_ids):
+            j = j + 1 if row and inputs.sampled_ids[row - 1] == rid else 0
+            drafted.append(drafts_of.get(rid, [])[:j])
         batch = SamplingBatch(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s.sampling_params.uses_penalties else []

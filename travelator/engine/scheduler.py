@@ -36,8 +36,6 @@ class SchedulerBase:
         self._freed: list[str] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
-        # Speculative decoding totals: drafts verified, accepted, and request-steps with drafts.
-        self.num_draft_tokens = self.num_accepted_draft_tokens = self.num_speculative_steps = 0
         self.speculator = Speculator(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
             config.speculative_policy == "adaptive", config.speculation_saturation_rows,
@@ -191,11 +189,7 @@ class SchedulerBase:
     def _record_speculation(self, req: Request, drafts: int, toks: list[SampledToken]) -> None:
         """Drafts verified (or the step's free probe): how many the request's samples took."""
         if drafts:
-            accepted = len(toks) - 1
-            req.speculation.record(drafts, accepted)
-            self.num_draft_tokens += drafts
-            self.num_accepted_draft_tokens += accepted
-            self.num_speculative_steps += 1
+            req.speculation.record(drafts, len(toks) - 1)
         elif req.speculation_probe is not None:
             req.speculation.record(1, int(toks[0].token_id == req.speculation_probe))
         req.speculation_probe = None

@@ -47,6 +47,10 @@ class SchedulerOutput:
     # ...or, with a draft model, how many drafts the runner proposes for the request.
     num_model_drafts: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def drafting_request_ids(self) -> list[str]:
+        return [*self.draft_token_ids, *self.num_model_drafts]
+
     def num_drafts(self, request_id: str) -> int:
         return len(self.draft_token_ids.get(request_id, ())) or self.num_model_drafts.get(request_id, 0)
 

@@ -16,9 +16,9 @@ from the engine's own step times: ``StepCost`` fits ``time = fixed + per_request
 + per_row * rows`` over recent steps that computed no prompt (a draft adds a row, not a
 request), and a draft must be accepted with probability above ``per_row * R / time`` for a
 step of R decodes to yield more tokens per second with it (small while a step mostly streams
-the weights, near 1 once it is bound by compute). Until the fit has seen steps of different sizes the share is
-taken as ``running / saturation_rows``; from ``saturation_rows`` running requests on nobody
-speculates.
+the weights, near 1 once it is bound by compute). Until the fit has seen steps of different
+shapes the share is taken as ``running / saturation_rows``; from ``saturation_rows`` running
+requests on nobody speculates.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class Speculator:
         """How many drafts ``req`` verifies this step, with ``num_running`` requests running."""
         if not self.adaptive:
             return self.num_tokens
-        if num_running >= self.saturation_rows:
+        if self.saturated(num_running):
             return 0
         share = self.cost.draft_share(num_running)
         threshold = num_running / self.saturation_rows if share is None else share
@@ -143,8 +143,8 @@ class Speculator:
         return max(k, 1) if self.by_model else k
 
     def propose(self, req: Request, limit: int) -> list[int]:
-        """Up to ``limit`` drafts for a decoding request (the lookup's full length, so a
-        request that does not speculate still has a proposal to probe with)."""
+        """Up to ``limit`` drafts for a decoding request (at least one is asked for even when
+        it does not speculate: its probe)."""
         # The request's tokens as characters, extended as it grows (tokens only ever append
         # while it runs).
         known = len(req.speculation_text)

@@ -117,7 +117,7 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan |
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
     params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None, structured=structured)
-    if tools is not None and tools.mode == "auto" and tools.format == "hermes" and _is_special(serving, "<tool_call>"):
+    if tools is not None and tools.mode == "auto" and tools.format == "hermes" and serving.tool_tags_are_special:
         params.skip_special_tokens = False  # the tags must reach the reader
     gen = serving.start([prompt], params, req, "messages", "chatcmpl")
     texts = None
@@ -126,12 +126,6 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan |
                  for _ in range(params.n)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return ChatRun(gen, model, now(), prompt, params.n, texts, top_n, include_usage, tools)
-
-
-def _is_special(serving: OpenAIServing, text: str) -> bool:
-    """Whether ``text`` is one special token of this tokenizer (decoding would drop it)."""
-    ids = serving.tokenizer.encode(text, add_special_tokens=False)
-    return len(ids) == 1 and ids[0] in serving.tokenizer.special_token_ids
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,

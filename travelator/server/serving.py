@@ -69,6 +69,10 @@ class OpenAIServing:
         self.tool_call_format: ToolCallFormat = (
             detect_tool_call_format(self.tokenizer.chat_template) if settings.tool_call_parser == "auto"
             else settings.tool_call_parser)
+        # Hermes tags that are special tokens would vanish from decoded text: such requests
+        # keep special tokens in their text, for the tool-call reader.
+        tag = self.tokenizer.encode("<tool_call>", add_special_tokens=False)
+        self.tool_tags_are_special = len(tag) == 1 and tag[0] in self.tokenizer.special_token_ids
 
     # ---- checks ------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:

@@ -17,6 +17,7 @@ from travelator.server.chat import render_messages
 from travelator.server.errors import APIError
 from travelator.server.protocol import ChatMessage, ChatTool, TokenIds
 from travelator.server.serving import OpenAIServing
+from travelator.server.tools import template_tools
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -65,7 +66,7 @@ def tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeCh
     serving.resolve_model(req.model)
     tk = serving.tokenizer
     if isinstance(req, TokenizeChatRequest):
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tools = template_tools(req.tools) if req.tools else None
         text = render_messages(serving, req.messages, req.add_generation_prompt, tools)
     else:
         text = req.prompt

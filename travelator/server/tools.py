@@ -24,6 +24,7 @@ from typing import Any, Literal
 from travelator.server.errors import APIError
 from travelator.server.protocol import (
     ChatCompletionRequest,
+    ChatTool,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
@@ -126,8 +127,12 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | No
         mode = "named"
     else:
         mode = choice or "auto"
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    return ToolPlan(tools, mode, named, req.parallel_tool_calls, fmt)
+    return ToolPlan(template_tools(req.tools), mode, named, req.parallel_tool_calls, fmt)
+
+
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """Tools as chat templates take them: OpenAI's tool objects."""
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def template_messages_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
