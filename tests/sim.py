@@ -93,15 +93,27 @@ class SimResult:
     max_tokens_in_step: int
     max_seqs_in_step: int
     preempted: list[str] = field(default_factory=list)  # victims in order
+    partial_chunks: int = 0  # scheduled pieces that stopped short of a request's known tokens
+
+
+class StepClock:
+    """The scheduler's clock in a simulation: the step number, so a queue delay of
+    ``d`` ms is ``d / 1000`` steps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def make_scheduler(batching: str, num_blocks: int, block_size: int, max_num_seqs: int,
                    budget: int, prefix_caching: bool = False,
-                   scheduling_policy: str = "fcfs") -> SchedulerBase:
+                   scheduling_policy: str = "fcfs", queue_delay_steps: float = 0.0) -> SchedulerBase:
     return make_configured_scheduler(
         SchedulerConfig(batching=batching, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                        scheduling_policy=scheduling_policy),
-        KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
+                        scheduling_policy=scheduling_policy, max_queue_delay_ms=queue_delay_steps * 1000),
+        KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching), StepClock())
 
 
 def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100_000) -> SimResult:
@@ -120,6 +132,8 @@ def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100
     sched._preempt = checked_preempt
     step = 0
     while pending or sched.has_unfinished():
+        if isinstance(sched.clock, StepClock):
+            sched.clock.now = float(step)
         while pending and pending[0].step <= step:
             a = pending.pop(0)
             sched.add_request(Request(a.request_id, a.prompt, SamplingParams(ignore_eos=True,
@@ -127,8 +141,10 @@ def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100
         out = sched.schedule()
         res.max_tokens_in_step = max(res.max_tokens_in_step, out.total_num_scheduled_tokens)
         res.max_seqs_in_step = max(res.max_seqs_in_step, len(out.num_scheduled_tokens))
-        for rid in out.num_scheduled_tokens:
+        for rid, n in out.num_scheduled_tokens.items():
             res.first_scheduled.setdefault(rid, step)
+            req = sched.requests[rid]
+            res.partial_chunks += req.num_computed_tokens + n < req.num_tokens
         for req, _ in sched.update_from_output(out, runner.execute(out)):
             if req.status.finished:
                 res.outputs[req.request_id] = list(req.output_token_ids)

@@ -6,6 +6,7 @@ the same check says so: it can fail."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -50,6 +51,8 @@ def run(llm: LLM, reqs: list[Req]) -> dict[int, Result]:
         while pending and reqs[pending[0]].arrival_step <= step:
             i = pending.pop(0)
             ids[engine.add_request(list(reqs[i].prompt), reqs[i].params()).request_id] = i
+        if hold := engine.seconds_until_admission():  # dynamic batching: wait as a server would
+            time.sleep(hold)
         for out in engine.step():
             assert out.error is None, out.error
             tokens, lps, tops = got[ids[out.request_id]]
@@ -89,7 +92,8 @@ def scenarios(draw):
         max_num_seqs=draw(st.integers(1, 12)),
         max_num_batched_tokens=draw(st.sampled_from([16, 40, 100, 300])),
         enable_prefix_caching=draw(st.booleans()),
-        batching=draw(st.sampled_from(["iteration", "static"])),
+        batching=draw(st.sampled_from(["iteration", "orca", "dynamic", "static"])),
+        max_queue_delay_ms=5,
         block_size=8,
         # A small pool forces preemption and recompute; None sizes it from memory.
         num_kv_blocks=draw(st.sampled_from([None, 20, 40])),
@@ -132,14 +136,14 @@ def test_without_the_mode_batching_changes_the_numbers(dtype):
     assert differ, "expected some request's logprobs to change with the batch"
 
 
-@pytest.mark.parametrize("batching", ["iteration", "static"])
+@pytest.mark.parametrize("batching", ["iteration", "orca", "dynamic", "static"])
 def test_preemption_and_prefix_hits_keep_the_numbers(batching):
     """A deterministic case that surely preempts and surely hits the prefix cache."""
     rng = random.Random(1)
     shared = tuple(rng.randrange(3, VOCAB) for _ in range(48))
     reqs = [Req(0, shared, 12, None), Req(4, shared + (5, 6, 7), 12, 3)]
     reqs += [Req(5, tuple(rng.randrange(3, VOCAB) for _ in range(40)), 12, None) for _ in range(4)]
-    llm = LLM(MODEL, dtype="bfloat16", batch_invariant=True, batching=batching, block_size=8,
+    llm = LLM(MODEL, dtype="bfloat16", batch_invariant=True, batching=batching, max_queue_delay_ms=5, block_size=8,
               num_kv_blocks=20, max_num_seqs=6, max_num_batched_tokens=32)
     batched = run(llm, reqs)
     counters = llm.engine.counters

@@ -39,11 +39,62 @@ def test_orca_example_static():
     assert res.steps == 160
 
 
-def test_outputs_same_for_both_policies():
-    a = simulate(make_scheduler("iteration", 1000, 16, 3, 64), orca_example())
-    b = simulate(make_scheduler("static", 1000, 16, 3, 64), orca_example())
-    assert a.outputs == b.outputs
-    assert {k: len(v) for k, v in a.outputs.items()} == {"A": 100, "B": 10, "C": 50,
+def test_orca_example_dynamic():
+    # All six are queued at step 0, so the first batch is full at once: dynamic batching
+    # then does exactly what static batching does, whatever its delay.
+    res = simulate(make_scheduler("dynamic", 1000, 16, 3, 64, queue_delay_steps=5), orca_example())
+    assert res.first_scheduled["A"] == res.first_scheduled["B"] == res.first_scheduled["C"] == 0
+    assert res.first_scheduled["D"] == res.first_scheduled["E"] == res.first_scheduled["F"] == 100
+    assert res.steps == 160
+
+
+def test_orca_example_whole_prompts():
+    # One-token prompts: computing a prompt whole or in chunks is the same, so Orca's own
+    # scheduler gives the iteration-level trace (D joins at step 10, the 11th).
+    res = simulate(make_scheduler("orca", 1000, 16, 3, 64), orca_example())
+    assert res.first_scheduled["D"] == 10 and res.first_scheduled["E"] == 50
+    assert res.first_scheduled["F"] == 70 and res.steps == 110
+
+
+def staggered_arrivals():
+    # One-token prompts; A, B, C arrive at steps 0, 2 and 3, D at 4, E alone at 20.
+    lengths = {"A": (0, 10), "B": (2, 4), "C": (3, 6), "D": (4, 2), "E": (20, 1)}
+    return [Arrival(step, rid, [7], m) for rid, (step, m) in lengths.items()]
+
+
+def test_dynamic_batching_waits_for_a_full_batch_or_the_delay():
+    res = simulate(make_scheduler("dynamic", 1000, 16, 3, 64, queue_delay_steps=5), staggered_arrivals())
+    # A waits: the batch fills when C arrives at step 3, before A's 5-step delay ends.
+    assert res.first_scheduled["A"] == res.first_scheduled["B"] == res.first_scheduled["C"] == 3
+    assert res.finished["B"] == 6 and res.finished["C"] == 8 and res.finished["A"] == 12
+    # D (step 4) waits for the whole batch; by then its delay is long over.
+    assert res.first_scheduled["D"] == 13 and res.finished["D"] == 14
+    # E arrives to an idle engine and waits its full delay for company that never comes.
+    assert res.first_scheduled["E"] == 25 and res.finished["E"] == 25
+
+
+def test_static_batching_same_arrivals():
+    res = simulate(make_scheduler("static", 1000, 16, 3, 64), staggered_arrivals())
+    assert res.first_scheduled["A"] == 0 and res.finished["A"] == 9  # A alone
+    assert res.first_scheduled["B"] == res.first_scheduled["C"] == res.first_scheduled["D"] == 10
+    assert res.finished["D"] == 11 and res.finished["B"] == 13 and res.finished["C"] == 15
+    assert res.first_scheduled["E"] == 20
+
+
+def test_iteration_level_same_arrivals():
+    res = simulate(make_scheduler("iteration", 1000, 16, 3, 64), staggered_arrivals())
+    assert (res.first_scheduled["A"], res.first_scheduled["B"], res.first_scheduled["C"]) == (0, 2, 3)
+    assert res.finished["B"] == 5
+    assert res.first_scheduled["D"] == 6 and res.finished["D"] == 7  # B's seat, the next step
+    assert res.finished["C"] == 8 and res.finished["A"] == 9 and res.first_scheduled["E"] == 20
+
+
+def test_outputs_same_for_every_batching():
+    ref = simulate(make_scheduler("iteration", 1000, 16, 3, 64), orca_example())
+    for batching in ("static", "dynamic", "orca"):
+        assert simulate(make_scheduler(batching, 1000, 16, 3, 64, queue_delay_steps=2),
+                        orca_example()).outputs == ref.outputs
+    assert {k: len(v) for k, v in ref.outputs.items()} == {"A": 100, "B": 10, "C": 50,
                                                          "D": 60, "E": 60, "F": 20}
 
 
@@ -56,6 +107,25 @@ def test_chunked_prefill_shares_step_with_decodes():
     # B's prompt takes ceil(40 / 15) = 3 steps next to A's decode (15 + 1 tokens each).
     assert res.first_scheduled["B"] == 2
     assert res.finished["B"] == 2 + 3 - 1 + 5 - 1
+
+
+def test_whole_prompt_stalls_the_decodes_for_one_step():
+    # The same arrivals as above under Orca's scheduler: B's 40-token prompt is computed in
+    # one step, over the budget (it could never run otherwise), next to A's decode.
+    res = simulate(make_scheduler("orca", 100, 4, max_num_seqs=8, budget=16),
+                   [Arrival(0, "A", [1, 2], 30), Arrival(2, "B", list(range(40)), 5)])
+    assert res.max_tokens_in_step == 41 and res.partial_chunks == 0
+    assert res.first_scheduled["B"] == 2 and res.finished["B"] == 2 + 5 - 1
+
+
+def test_whole_prompts_join_first_come_first_served_within_the_budget():
+    # Budget 16: C's 10-token prompt does not fit next to B's 10 in one step and waits for
+    # the next, though D's 2 would have fitted: D does not overtake C.
+    arrivals = [Arrival(0, "B", list(range(10)), 3), Arrival(0, "C", list(range(10, 20)), 3),
+                Arrival(0, "D", [1, 2], 3)]
+    res = simulate(make_scheduler("orca", 100, 4, max_num_seqs=8, budget=16), arrivals)
+    assert (res.first_scheduled["B"], res.first_scheduled["C"], res.first_scheduled["D"]) == (0, 1, 1)
+    assert res.partial_chunks == 0 and res.max_tokens_in_step == 1 + 10 + 2
 
 
 def test_preemption_recomputes_and_finishes():
@@ -82,7 +152,7 @@ request_st = st.tuples(
     budget=st.integers(1, 64),
     max_num_seqs=st.integers(1, 8),
     spare_blocks=st.integers(0, 20),
-    kind=st.sampled_from(["iteration", "static", "priority"]),
+    kind=st.sampled_from(["iteration", "static", "priority", "dynamic", "orca"]),
     prefix_caching=st.booleans(),
     shared_prefix=st.integers(0, 24),
 )
@@ -97,10 +167,15 @@ def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, 
     longest = max(p + m for _, p, m in reqs)
     num_blocks = -(-longest // block_size) + spare_blocks
     policy = "priority" if kind == "priority" else "fcfs"
-    sched = make_scheduler("static" if kind == "static" else "iteration", num_blocks, block_size,
-                           max_num_seqs, budget, prefix_caching=prefix_caching, scheduling_policy=policy)
+    sched = make_scheduler("iteration" if kind == "priority" else kind, num_blocks, block_size,
+                           max_num_seqs, budget, prefix_caching=prefix_caching, scheduling_policy=policy,
+                           queue_delay_steps=3)
     res = simulate(sched, arrivals)
-    assert res.max_tokens_in_step <= budget
+    if kind == "orca":  # whole prompts: a step's first may exceed the budget on its own
+        assert res.partial_chunks == 0
+        assert res.max_tokens_in_step <= max(budget, longest + max_num_seqs)
+    else:
+        assert res.max_tokens_in_step <= budget
     assert res.max_seqs_in_step <= max_num_seqs
     assert sched.kv.num_free_blocks == num_blocks  # every block back in the pool
     sched.kv.check_consistency()

@@ -13,7 +13,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal
 
-Batching = Literal["iteration", "static"]
+Batching = Literal["iteration", "orca", "dynamic", "static"]
+REQUEST_LEVEL_BATCHING = ("static", "dynamic")  # a batch runs to completion; nobody joins it
 SchedulingPolicy = Literal["fcfs", "priority"]
 SpeculativeMethod = Literal["ngram", "draft"]
 SpeculativePolicy = Literal["adaptive", "fixed"]
@@ -115,9 +116,15 @@ class CacheConfig:
 @dataclass(slots=True)
 class SchedulerConfig:
     batching: Annotated[Batching, Setting(
-        "iteration-level (continuous) batching, or the static (request-level) baseline",
+        "iteration: iteration-level scheduling with chunked prefill (Sarathi-Serve); orca: "
+        "iteration-level, a joining prompt computed whole in one step; dynamic: a batch of up to "
+        "--max-num-seqs formed when full or when its first request has waited "
+        "--max-queue-delay-ms, run to completion (Triton); static: the waiting requests form a "
+        "batch as soon as the previous one is done, run to completion (FasterTransformer)",
         old_keywords=("scheduler",), old_flags=("--scheduler",))] = "iteration"
-    max_num_seqs: Annotated[int, Setting("most requests in one step")] = 128
+    max_num_seqs: Annotated[int, Setting("most requests in one step (the batch size)")] = 128
+    max_queue_delay_ms: Annotated[float, Setting(
+        "dynamic batching: the longest a request waits for its batch to fill")] = 100.0
     max_num_batched_tokens: Annotated[int, Setting(
         "token budget of one step; longer prompts are chunked")] = 1024
     scheduling_policy: Annotated[SchedulingPolicy, Setting(
@@ -148,7 +155,7 @@ class SchedulerConfig:
     def validate(self) -> None:
         _check_choices(self)
         if self.speculative_method is not None:
-            if self.batching == "static":
+            if self.batching in REQUEST_LEVEL_BATCHING:
                 raise ValueError("speculative decoding needs iteration-level batching")
             if (self.speculative_method == "draft") != (self.draft_model is not None):
                 raise ValueError("speculative_method draft needs draft_model, and draft_model needs it")
@@ -158,8 +165,10 @@ class SchedulerConfig:
                 raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
             if self.speculation_saturation_rows < 1:
                 raise ValueError("speculation_saturation_rows must be positive")
-        if self.scheduling_policy == "priority" and self.batching == "static":
-            raise ValueError("priority scheduling needs iteration-level batching")
+        if self.scheduling_policy == "priority" and self.batching != "iteration":
+            raise ValueError("priority scheduling needs --batching iteration")
+        if self.max_queue_delay_ms < 0:
+            raise ValueError("max_queue_delay_ms must be non-negative")
         if self.max_overtakes < 0:
             raise ValueError("max_overtakes must be non-negative")
         if self.max_num_seqs < 1:

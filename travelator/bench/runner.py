@@ -134,6 +134,11 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
                 raise RuntimeError(f"the engine is idle but {n - done} requests never finished")
             time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
             continue
+        if hold := engine.seconds_until_admission():  # dynamic batching waits for a fuller batch
+            if nxt < n:
+                hold = min(hold, max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+            time.sleep(hold)
+            continue
         before = engine.counters.steps
         outputs = engine.step()
         t = time.perf_counter() - t0

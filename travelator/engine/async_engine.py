@@ -206,8 +206,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._drain_commands(block):
+                # Idle: wait for a command. Holding requests back (dynamic batching): wait
+                # for a command or the end of the hold, whichever comes first.
+                if self.engine.has_unfinished_requests():
+                    wait = self.engine.seconds_until_admission() or 0.0
+                else:
+                    wait = None
+                if not self._drain_commands(wait):
                     return
                 if self.engine.has_unfinished_requests():
                     self.step_started = time.monotonic()
@@ -263,14 +268,15 @@ class AsyncEngine:
                 self._push(cmd.request.request_id,
                            self.error or EngineDeadError("the engine stopped before this request ran"))
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False when asked to stop."""
+    def _drain_commands(self, wait_s: float | None) -> bool:
+        """Apply queued adds and aborts, waiting up to ``wait_s`` for the first (None: for
+        ever); False when asked to stop."""
         while True:
             try:
-                cmd = self._commands.get(block=block, timeout=None if block else 0)
+                cmd = self._commands.get(block=wait_s != 0, timeout=wait_s or None)
             except queue.Empty:
                 return True
-            block = False
+            wait_s = 0
             if cmd is _STOP:
                 return False
             if isinstance(cmd, _Add):

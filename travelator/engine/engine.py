@@ -261,6 +261,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seconds_until_admission(self) -> float | None:
+        """How long the scheduler holds waiting requests back with nobody running (dynamic
+        batching); a step before then does nothing. None when it does not hold."""
+        return self.scheduler.seconds_until_admission()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -40,6 +40,7 @@ class RequestTimes:
     """Wall-clock moments in a request's life (time.monotonic seconds)."""
 
     arrival: float
+    queued: float | None = None  # reached the scheduler (its clock: time.monotonic but in tests)
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
@@ -26,9 +27,11 @@ from travelator.engine.scheduler_output import (
 class SchedulerBase:
     """What every scheduler shares: queues, the step update, preemption, abort."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
+        self.clock = clock  # what a queueing delay is measured on (a step counter in tests)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -47,11 +50,18 @@ class SchedulerBase:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
+        request.times.queued = self.clock()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def seconds_until_admission(self) -> float | None:
+        """How long the scheduler holds its waiting requests back on purpose, with nobody
+        running (dynamic batching: until the batch fills or the delay ends); None when it
+        does not. The step loop sleeps this long, or until a request arrives."""
+        return None
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
@@ -351,7 +361,10 @@ class IterationScheduler(SchedulerBase):
                 break
             if any(b.num_overtaken >= self.config.max_overtakes for b in blocked):
                 break
-            n = self._schedule_tokens(req, budget, reserve_all=req.status == RequestStatus.PREEMPTED)
+            allowed = self._admission_budget(req, budget, out)
+            if allowed is None:
+                break
+            n = self._schedule_tokens(req, allowed, reserve_all=req.status == RequestStatus.PREEMPTED)
             if n is None:
                 blocked.append(req)
                 continue
@@ -364,6 +377,29 @@ class IterationScheduler(SchedulerBase):
             self.running.append(req)
             self._add_to_output(out, req, n, 0)
             budget -= n
+
+    def _admission_budget(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """The tokens a joining request may compute this step (None: admit nobody more)."""
+        return budget  # chunked prefill: whatever the step's budget has left
+
+
+class WholePromptScheduler(IterationScheduler):
+    """Orca as published: iteration-level scheduling, but a joining request computes its
+    whole prompt (or, resumed after a preemption, prompt and outputs) in its first step,
+    as vLLM did before chunked prefill. A long prompt therefore stalls every running
+    decode for one long step.
+
+    The token budget still limits how many prompts join in one step, except that the
+    step's first prompt joins whole even when it alone exceeds the budget (otherwise a
+    prompt longer than the budget could never run). Joiners stay first-come first-served:
+    a prompt that does not fit the budget left stops admission for this step.
+    """
+
+    def _admission_budget(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        whole = req.num_tokens - req.num_computed_tokens  # before any prefix-cache hit
+        if whole <= budget or out.num_prefill_tokens == 0:
+            return whole
+        return None
 
 
 class PriorityScheduler(IterationScheduler):

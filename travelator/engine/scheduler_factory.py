@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from travelator.config import SchedulerConfig
 from travelator.engine.kv_cache import KVCacheManager
-from travelator.engine.scheduler import IterationScheduler, PriorityScheduler, SchedulerBase
-from travelator.engine.static_scheduler import StaticScheduler
+from travelator.engine.scheduler import (
+    IterationScheduler,
+    PriorityScheduler,
+    SchedulerBase,
+    WholePromptScheduler,
+)
+from travelator.engine.static_scheduler import DynamicScheduler, StaticScheduler
 
 
-def make_scheduler(config: SchedulerConfig, kv: KVCacheManager) -> SchedulerBase:
+def make_scheduler(config: SchedulerConfig, kv: KVCacheManager,
+                   clock: Callable[[], float] = time.monotonic) -> SchedulerBase:
     if config.batching == "static":
-        return StaticScheduler(config, kv)
+        return StaticScheduler(config, kv, clock)
+    if config.batching == "dynamic":
+        return DynamicScheduler(config, kv, clock)
+    if config.batching == "orca":
+        return WholePromptScheduler(config, kv, clock)
     if config.scheduling_policy == "priority":
-        return PriorityScheduler(config, kv)
-    return IterationScheduler(config, kv)
+        return PriorityScheduler(config, kv, clock)
+    return IterationScheduler(config, kv, clock)
