@@ -109,5 +109,5 @@ def test_the_former_scheduler_flag_still_works_with_a_warning(command, capsys):
 
 
 def test_a_bad_choice_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="batching must be one of iteration, static; got 'dynamic'"):
-        LLM("dummy:tiny", batching="dynamic")
+    with pytest.raises(ValueError, match="batching must be one of iteration, orca, dynamic, static; got 'chunky'"):
+        LLM("dummy:tiny", batching="chunky")
