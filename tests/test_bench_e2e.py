@@ -37,7 +37,7 @@ def test_bench_compare_writes_json_and_pngs(tmp_path, capsys):
     assert {(r["scheduler"], r["rate"]) for r in report["results"]} == {
         ("static", 50.0), ("iteration", 50.0), ("static", "inf"), ("iteration", "inf")}
     assert all(r["completed"] == 5 and r["failed"] == 0 for r in report["results"])
-    assert report["ratio_line"] == last
+    assert report["ratio_lines"] == [last]
     trace = report["occupancy_trace"]
     assert trace["max_num_seqs"] == 4
     for sched in ("static", "iteration"):
@@ -45,6 +45,24 @@ def test_bench_compare_writes_json_and_pngs(tmp_path, capsys):
         assert busy and max(busy) <= 4
     for name in ("latency_vs_throughput.png", "batch_occupancy.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_compare_every_batching_mode(tmp_path, capsys):
+    out = tmp_path / "hist"
+    rc = main(["compare", *TINY, "--num-requests", "5", "--request-rates", "inf",
+               "--batching", "chunked", "orca", "dynamic", "static", "--max-queue-delay-ms", "20",
+               "--output-dir", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads((out / "compare.json").read_text())
+    assert report["modes"] == ["static", "dynamic", "orca", "iteration"]
+    assert [r["scheduler"] for r in report["results"]] == report["modes"]
+    assert all(r["completed"] == 5 and r["failed"] == 0 for r in report["results"])
+    # One ratio line per baseline, chunked (iteration) against each, last.
+    assert lines[-3:] == report["ratio_lines"]
+    assert [(r["subject"], r["baseline"]) for r in report["ratios"]] == [
+        ("iteration", "static"), ("iteration", "dynamic"), ("iteration", "orca")]
+    assert report["engine"]["max_queue_delay_ms"] == 20
 
 
 def test_bench_throughput_writes_json(tmp_path, capsys):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from travelator.bench.arrivals import parse_rate
-from travelator.bench.compare import jsonable
+from travelator.bench.compare import DEFAULT_MODES, jsonable
 from travelator.bench.metrics import compute_metrics, format_metrics, format_table, parse_slo
 from travelator.bench.soak.cli import add_soak_parser
 from travelator.bench.workloads import WORKLOADS, Workload, make_workload
@@ -279,7 +279,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     workload = build_workload(args, arch.vocab_size, ctx)
     _print_workload(workload)
     report = run_compare(
-        model, kw, workload, rates, burstiness=args.burstiness, arrival_seed=args.arrival_seed,
+        model, kw, workload, rates, burstiness=args.burstiness,
+        # A string when given as the deprecated --scheduler, which names one mode.
+        modes=[args.batching] if isinstance(args.batching, str) else args.batching, arrival_seed=args.arrival_seed,
         latency_target=args.latency_target, occupancy_rate=args.occupancy_rate,
         output_dir=args.output_dir, progress=not args.no_progress,
         log=lambda s: print(s, file=sys.stderr),
@@ -287,7 +289,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(table(report["results"]))
     for f in report["files"].values():
         print(f"wrote {f}", file=sys.stderr)
-    print(report["ratio_line"])
+    for line in report["ratio_lines"]:
+        print(line)
     return 1 if any(r["failed"] for r in report["results"]) else 0
 
 
@@ -343,14 +346,18 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--server-log", default=None, help="write the started server's output here")
     sv.set_defaults(func=cmd_serve)
 
-    cp = sub.add_parser("compare", help="Orca's experiment: static vs iteration-level scheduling "
+    cp = sub.add_parser("compare", help="Orca's experiment: static, dynamic, Orca and chunked batching "
                                         "over a sweep of request rates",
-                        description="Runs the same workload and Poisson arrivals through two engines "
-                                    "that differ only in the batching (--batching is ignored), "
-                                    "writes compare.json and two PNGs to --output-dir, and ends with "
-                                    "the throughput ratio at the same latency target.",
-                        epilog=_EPILOG, formatter_class=fmt)
+                        description="Runs the same workload and Poisson arrivals through engines "
+                                    "that differ only in the batching, writes compare.json and two "
+                                    "PNGs to --output-dir, and ends with the throughput ratio of the "
+                                    "newest mode against each other at the same latency target.",
+                        epilog=_EPILOG, formatter_class=fmt, conflict_handler="resolve")
     add_engine_args(cp)
+    # Replaces the engine's single --batching: here it is the list of modes to compare.
+    cp.add_argument("--batching", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
+                    help="batching modes to compare, any of static dynamic orca iteration "
+                         "(chunked = iteration; default: static iteration)")
     _add_workload_args(cp, num_requests=32)
     g = cp.add_argument_group("sweep")
     g.add_argument("--request-rates", nargs="+", default=["0.5", "1", "2", "4"], metavar="RATE",

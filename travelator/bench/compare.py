@@ -1,16 +1,16 @@
-"""The Orca experiment: static (request-level) batching against iteration-level
-scheduling, same model, same kernels, same workload and arrivals, over a sweep of
-request rates.
+"""The Orca experiment: request-level batching (static, dynamic) against iteration-level
+scheduling (Orca's whole prompts, chunked prefill), same model, same kernels, same
+workload and arrivals, over a sweep of request rates.
 
-For each rate both engines serve the same requests arriving on the same Poisson
+For each rate every engine serves the same requests arriving on the same Poisson
 schedule (the gaps of one seed, scaled by 1/rate), driven offline (see runner.py).
-The runs are interleaved (rate 1: static then iteration, rate 2: iteration then
-static, ...) so that slow drift in the machine's load hits both alike.
+The runs are interleaved (rate 1: modes in order, rate 2: reversed, ...) so that slow
+drift in the machine's load hits all alike.
 
 Outputs: a table, ``compare.json``, ``latency_vs_throughput.png`` (median normalised
 latency in s/token against throughput in requests/s, as Orca's figures plot it),
-``batch_occupancy.png`` (busy seats per step against ``max_num_seqs``), and one line
-with the throughput ratio at the same latency target.
+``batch_occupancy.png`` (busy seats per step against ``max_num_seqs``), and one line per
+baseline with the iteration-level throughput ratio at the same latency target.
 """
 
 from __future__ import annotations
@@ -26,7 +26,29 @@ from travelator.bench.metrics import compute_metrics, format_markdown_table, for
 from travelator.bench.runner import RunResult, run_engine, warm_up
 from travelator.bench.workloads import Workload
 
-SCHEDULERS = ("static", "iteration")
+BATCHING_MODES = ("static", "dynamic", "orca", "iteration")  # the history's order
+DEFAULT_MODES = ("static", "iteration")
+MODE_ALIASES = {"chunked": "iteration"}  # Sarathi-Serve's name for what the engine calls iteration
+LABELS = {"static": "static batching", "dynamic": "dynamic batching",
+          "orca": "Orca (iteration-level, whole prompts)",
+          "iteration": "iteration-level, chunked prefill"}
+
+
+def parse_modes(names: list[str]) -> list[str]:
+    """Batching modes in the history's order, aliases resolved, each once."""
+    modes = {MODE_ALIASES.get(n, n) for n in names}
+    unknown = modes - set(BATCHING_MODES)
+    if unknown:
+        raise ValueError(f"unknown batching mode(s) {sorted(unknown)}; choose from "
+                         f"{', '.join(BATCHING_MODES)} (chunked = iteration)")
+    if len(modes) < 2:
+        raise ValueError("compare needs at least two batching modes")
+    return [m for m in BATCHING_MODES if m in modes]
+
+
+def subject_mode(modes: list[str]) -> str:
+    """The mode every other is measured against: the newest in the history."""
+    return modes[-1]
 
 TABLE_COLUMNS = [
     ("rate (req/s)", "rate", "{:g}"),
@@ -80,22 +102,24 @@ def default_latency_target(rows: list[dict]) -> float:
     return 2.0 * min(lats)
 
 
-def ratio_line(rows: list[dict], target: float) -> tuple[str, dict]:
+def ratio_line(rows: list[dict], target: float, subject: str = "iteration",
+               baseline: str = "static") -> tuple[str, dict]:
+    """The throughput ``subject`` sustains at the latency target against ``baseline``'s."""
     res = {}
-    for sched in SCHEDULERS:
+    for sched in (subject, baseline):
         pts = [(r["request_throughput"], r["median_norm_latency_s_per_token"])
                for r in rows if r["scheduler"] == sched and r["median_norm_latency_s_per_token"] is not None]
         res[sched] = throughput_at_latency(pts, target)
-    it, st = res["iteration"], res["static"]
+    it, st = res[subject], res[baseline]
 
     def fmt(x: ThroughputAtTarget) -> str:
         if x.value is None:
             return "n/a (above the target at every rate)"
         return f"{'>=' if x.lower_bound else ''}{x.value:.3f} req/s"
 
-    info = {"latency_target_s_per_token": target,
-            "iteration_req_per_s": it.value, "iteration_lower_bound": it.lower_bound,
-            "static_req_per_s": st.value, "static_lower_bound": st.lower_bound, "ratio": None}
+    info = {"latency_target_s_per_token": target, "subject": subject, "baseline": baseline,
+            f"{subject}_req_per_s": it.value, f"{subject}_lower_bound": it.lower_bound,
+            f"{baseline}_req_per_s": st.value, f"{baseline}_lower_bound": st.lower_bound, "ratio": None}
     if it.value is not None and st.value:
         ratio = it.value / st.value
         info["ratio"] = ratio
@@ -108,11 +132,11 @@ def ratio_line(rows: list[dict], target: float) -> tuple[str, dict]:
             qual = "about (both lower bounds) "
         head = f"{qual}{ratio:.2f}x"
     elif it.value is not None:
-        head = "unbounded (static never meets the target)"
+        head = f"unbounded ({baseline} never meets the target)"
     else:
         head = "n/a"
-    line = (f"Throughput ratio at median normalised latency <= {target:.4f} s/token: iteration-level "
-            f"{fmt(it)} vs static {fmt(st)} -> {head}")
+    line = (f"Throughput ratio at median normalised latency <= {target:.4f} s/token: {LABELS[subject]} "
+            f"{fmt(it)} vs {LABELS[baseline]} {fmt(st)} -> {head}")
     return line, info
 
 
@@ -122,6 +146,7 @@ def run_compare(
     workload: Workload,
     rates: list[float],
     *,
+    modes: list[str] | tuple[str, ...] = DEFAULT_MODES,
     burstiness: float = 1.0,
     arrival_seed: int = 0,
     latency_target: float | None = None,
@@ -134,6 +159,8 @@ def run_compare(
 
     if not rates:
         raise ValueError("give at least one request rate")
+    modes = parse_modes(list(modes))
+    subject = subject_mode(modes)
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rates = sorted(rates)
@@ -141,11 +168,11 @@ def run_compare(
     if occ_rate not in rates:
         raise ValueError(f"the occupancy rate {occ_rate:g} is not one of the swept rates")
     engines = {}
-    for sched in SCHEDULERS:
+    for sched in modes:
         kw = dict(engine_kwargs, batching=sched)
         engines[sched] = LLM(model, **kw).engine
         warm_up(engines[sched])
-    eng0 = engines["iteration"]
+    eng0 = engines[subject]
     max_num_seqs = eng0.config.scheduler.max_num_seqs
     rows: list[dict] = []
     traces: dict[str, dict] = {}
@@ -153,8 +180,8 @@ def run_compare(
         arrivals = arrival_times(len(workload), rate, burstiness=burstiness, seed=arrival_seed)
         # A fresh first token per rate: no prefix-cache hits on the previous rate's blocks.
         work = workload.salted(k)
-        # Alternate which scheduler goes first, so neither always runs on a colder cache.
-        for sched in (SCHEDULERS if k % 2 == 0 else SCHEDULERS[::-1]):
+        # Alternate the order, so that no mode always runs first, on a colder cache.
+        for sched in (modes if k % 2 == 0 else modes[::-1]):
             run: RunResult = run_engine(engines[sched], work, arrivals, progress=progress,
                                         desc=f"{sched} @ {rate:g} req/s")
             m = compute_metrics(run.results, run.duration_s)
@@ -165,7 +192,7 @@ def run_compare(
             log(f"  rate {rate:g} req/s, {sched:9s}: {m['request_throughput']:.3f} req/s, "
                 f"median normalised latency {m['median_norm_latency_s_per_token']:.4f} s/token, "
                 f"mean busy seats {row.get('mean_batch_requests', 0):.1f}/{max_num_seqs}")
-    rows.sort(key=lambda r: (r["rate"], SCHEDULERS.index(r["scheduler"])))
+    rows.sort(key=lambda r: (r["rate"], modes.index(r["scheduler"])))
     model_info = {
         "model": model, "name": eng0.model_name, "num_parameters": eng0.arch.num_parameters,
         "dtype": str(eng0.dtype).replace("torch.", ""), "device": str(eng0.device),
@@ -173,9 +200,10 @@ def run_compare(
     del engines, eng0
     gc.collect()
     target = latency_target if latency_target is not None else default_latency_target(rows)
-    line, ratio = ratio_line(rows, target)
+    ratios = [ratio_line(rows, target, subject, base) for base in modes if base != subject]
     report = {
         "model": model_info,
+        "modes": modes,
         "engine": {k: v for k, v in engine_kwargs.items() if k != "batching"},
         "workload": workload.summary(),
         "arrivals": {"process": "poisson" if burstiness == 1 else "gamma",
@@ -183,14 +211,14 @@ def run_compare(
         "rates": rates,
         "results": rows,
         "occupancy_trace": {"rate": occ_rate, "max_num_seqs": max_num_seqs, "steps": traces},
-        "ratio": ratio,
-        "ratio_line": line,
+        "ratios": [info for _, info in ratios],
+        "ratio_lines": [line for line, _ in ratios],
         "files": {},
     }
     report["files"]["latency_png"] = str(plot_latency_vs_throughput(
-        rows, target, out_dir / "latency_vs_throughput.png", title=_title(model_info)))
+        rows, modes, target, out_dir / "latency_vs_throughput.png", title=_title(model_info)))
     report["files"]["occupancy_png"] = str(plot_occupancy(
-        traces, max_num_seqs, occ_rate, out_dir / "batch_occupancy.png", title=_title(model_info)))
+        traces, modes, max_num_seqs, occ_rate, out_dir / "batch_occupancy.png", title=_title(model_info)))
     json_path = out_dir / "compare.json"
     report["files"]["json"] = str(json_path)
     json_path.write_text(json.dumps(jsonable(report), indent=1))
@@ -229,15 +257,18 @@ def _pyplot():
     return plt
 
 
-_STYLE = {"static": dict(color="tab:red", marker="s", label="static (request-level) batching"),
-          "iteration": dict(color="tab:blue", marker="o", label="iteration-level scheduling")}
+_STYLE = {"static": dict(color="tab:red", marker="s", label=LABELS["static"]),
+          "dynamic": dict(color="tab:orange", marker="D", label=LABELS["dynamic"]),
+          "orca": dict(color="tab:green", marker="^", label=LABELS["orca"]),
+          "iteration": dict(color="tab:blue", marker="o", label=LABELS["iteration"])}
 
 
-def plot_latency_vs_throughput(rows: list[dict], target: float, path: Path, title: str = "") -> Path:
+def plot_latency_vs_throughput(rows: list[dict], modes: list[str], target: float, path: Path,
+                               title: str = "") -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     lats = []
-    for sched in SCHEDULERS:
+    for sched in modes:
         pts = [(r["request_throughput"], r["median_norm_latency_s_per_token"], r["rate"])
                for r in rows if r["scheduler"] == sched and r["median_norm_latency_s_per_token"] is not None]
         if not pts:
@@ -263,12 +294,12 @@ def plot_latency_vs_throughput(rows: list[dict], target: float, path: Path, titl
     return path
 
 
-def plot_occupancy(traces: dict[str, dict], max_num_seqs: int, rate: float, path: Path,
+def plot_occupancy(traces: dict[str, dict], modes: list[str], max_num_seqs: int, rate: float, path: Path,
                    title: str = "") -> Path:
     plt = _pyplot()
-    fig, axes = plt.subplots(len(SCHEDULERS), 1, figsize=(8, 5), dpi=110, sharey=True)
+    fig, axes = plt.subplots(len(modes), 1, figsize=(8, 1.2 + 1.9 * len(modes)), dpi=110, sharey=True)
     ymax = max([max_num_seqs] + [w for tr in traces.values() for w in tr.get("num_waiting", [])])
-    for ax, sched in zip(axes, SCHEDULERS):
+    for ax, sched in zip(axes, modes):
         tr = traces.get(sched) or {}
         busy = tr.get("num_requests", [])
         waiting = tr.get("num_waiting", [])
