@@ -236,3 +236,26 @@ def test_wires_into_the_main_cli():
     parser = main_cli.build_parser()
     a = parser.parse_args(["bench", "throughput", "--model", "dummy:tiny", "--num-requests", "3"])
     assert a.func is cli.cmd_throughput and a.num_requests == 3
+
+
+# ---- the interference metrics ------------------------------------------------------------
+def test_interference_metrics_by_hand():
+    from travelator.bench.interference import interference_metrics
+    from travelator.bench.runner import RunResult
+
+    def done(arrival, times):
+        return RequestResult(4, len(times), arrival, token_times=times, end=times[-1],
+                             output_len=len(times), success=True)
+
+    # Two steady decodes: gaps of 10 ms, and one stall of 500 ms in the first.
+    d1 = done(0.0, [0.01, 0.02, 0.52, 0.53])
+    d2 = done(0.0, [0.01, 0.02, 0.03])
+    # Two long prompts: first tokens 0.4 s and 0.1 s after they arrived.
+    l1, l2 = done(0.1, [0.5, 0.51]), done(0.5, [0.6])
+    m = interference_metrics(RunResult([d1, d2, l1, l2], duration_s=1.0), num_decodes=2)
+    gaps = [10, 500, 10, 10, 10]  # ms, pooled over the decodes only
+    assert m["tbt_p50_ms"] == pytest.approx(10.0)
+    assert m["tbt_p99_ms"] == pytest.approx(np.percentile(gaps, 99))
+    assert m["tbt_max_ms"] == pytest.approx(500.0)
+    assert m["long_ttft_median_ms"] == pytest.approx(250.0) and m["long_ttft_max_ms"] == pytest.approx(400.0)
+    assert m["output_throughput"] == pytest.approx(10.0) and m["failed"] == 0

@@ -154,3 +154,26 @@ def test_bench_serve_starts_a_real_server(tmp_path, capsys):
     m = report["runs"][0]["metrics"]
     assert m["completed"] == 4
     assert m["total_output_tokens"] == report["workload"]["total_output_tokens"]
+
+
+def test_bench_interference_reports_every_mode(tmp_path, capsys):
+    out = tmp_path / "intf"
+    rc = main(["interference", "--model", str(STORIES), "--max-num-seqs", "8", "--max-model-len", "256",
+               "--max-num-batched-tokens", "32", "--num-decodes", "3", "--decode-output-len", "24",
+               "--num-long", "2", "--long-prompt-len", "100", "--first-long-at", "0.01",
+               "--long-every", "0.01", "--max-queue-delay-ms", "10", "--output-dir", str(out),
+               "--no-progress"])
+    assert rc == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("p99 time between tokens of the running decodes: chunked prefill")
+    report = json.loads((out / "interference.json").read_text())
+    assert report["modes"] == ["static", "dynamic", "orca", "iteration"] and report["ratio_line"] == last
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert all(r["failed"] == 0 for r in by_mode.values())
+    # Whole prompts: a 100-token prompt in one step over the budget of 32; chunks never exceed it.
+    assert by_mode["orca"]["max_step_tokens"] >= 100
+    assert by_mode["iteration"]["max_step_tokens"] <= 32 and by_mode["static"]["max_step_tokens"] <= 32
+    # Every steady decode's gaps are there: 3 decodes x 23 gaps.
+    assert all(len(report["traces"][m]["tbt_ms"]) == 3 * 23 for m in report["modes"])
+    for name in ("tbt_cdf.png", "step_timeline.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC

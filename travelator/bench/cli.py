@@ -1,4 +1,4 @@
-"""``travelator bench throughput | serve | compare | soak``.
+"""``travelator bench throughput | serve | compare | interference | soak``.
 
 ``add_bench_parser(subparsers)`` adds the ``bench`` command to the main CLI;
 ``python -m travelator.bench.cli <throughput|serve|compare|soak> ...`` runs it standalone.
@@ -294,6 +294,31 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 1 if any(r["failed"] for r in report["results"]) else 0
 
 
+# ---- bench interference ---------------------------------------------------------------
+def cmd_interference(args: argparse.Namespace) -> int:
+    from travelator.bench.interference import InterferenceSetup, run_interference, table
+
+    setup = InterferenceSetup(
+        num_decodes=args.num_decodes, decode_prompt_len=args.decode_prompt_len,
+        decode_output_len=args.decode_output_len, num_long=args.num_long,
+        long_prompt_len=args.long_prompt_len, long_output_len=args.long_output_len,
+        first_long_at_s=args.first_long_at, long_every_s=args.long_every)
+    report = run_interference(
+        resolve_model(args), engine_kwargs(args), setup,
+        modes=[args.batching] if isinstance(args.batching, str) else args.batching,
+        repeats=args.repeats, output_dir=args.output_dir, progress=not args.no_progress,
+        log=lambda s: print(s, file=sys.stderr))
+    print(table(report["results"]))
+    if args.repeats > 1:
+        print("medians over the repeats:")
+        print(table([dict(mode=m, rep=args.repeats, **v) for m, v in report["summary"].items()]))
+    for f in report["files"].values():
+        print(f"wrote {f}", file=sys.stderr)
+    if report["ratio_line"]:
+        print(report["ratio_line"])
+    return 1 if any(r["failed"] for r in report["results"]) else 0
+
+
 # ---- the parser -----------------------------------------------------------------------
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser(
@@ -302,7 +327,7 @@ def add_bench_parser(subparsers) -> None:
         description="Benchmarks. Every workload is generated from a seed; outputs are forced to "
                     "their lengths so that runs are compared on the same work.")
     sub = bench.add_subparsers(dest="bench_command", required=True,
-                               metavar="{throughput,serve,compare,soak}")
+                               metavar="{throughput,serve,compare,interference,soak}")
     fmt = argparse.RawDescriptionHelpFormatter
 
     tp = sub.add_parser("throughput", help="offline: every request at once, through the engine",
@@ -372,6 +397,33 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--output-dir", default="bench-results", help="compare.json and the PNGs go here")
     g.add_argument("--no-progress", action="store_true")
     cp.set_defaults(func=cmd_compare)
+
+    it = sub.add_parser(
+        "interference", help="prefill against decode: steady decodes while long prompts arrive, "
+                             "per batching mode",
+        description="A few requests decode steadily while long prompts arrive; every batching mode "
+                    "serves the same requests at the same times. Reports the time between tokens "
+                    "of the decodes (p50, p99, longest gap), TTFT of the long prompts and "
+                    "throughput; writes interference.json, tbt_cdf.png and step_timeline.png.",
+        conflict_handler="resolve")
+    add_engine_args(it)
+    it.add_argument("--batching", nargs="+", default=["static", "dynamic", "orca", "iteration"],
+                    metavar="MODE", help="batching modes, any of static dynamic orca iteration "
+                                         "(chunked = iteration; default: all four)")
+    g = it.add_argument_group("workload")
+    g.add_argument("--num-decodes", type=int, default=8, help="steady decodes, present at the start")
+    g.add_argument("--decode-prompt-len", type=int, default=32)
+    g.add_argument("--decode-output-len", type=int, default=384)
+    g.add_argument("--num-long", type=int, default=6, help="long prompts")
+    g.add_argument("--long-prompt-len", type=int, default=1536)
+    g.add_argument("--long-output-len", type=int, default=8)
+    g.add_argument("--first-long-at", type=float, default=0.5, help="seconds from the start")
+    g.add_argument("--long-every", type=float, default=0.5, help="seconds between long prompts")
+    g = it.add_argument_group("run")
+    g.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved")
+    g.add_argument("--output-dir", default="bench-results")
+    g.add_argument("--no-progress", action="store_true")
+    it.set_defaults(func=cmd_interference)
 
     add_soak_parser(sub)
 

@@ -208,6 +208,30 @@ def fixed(
     return _build("fixed", seed, rng, p, o, vocab_size, max_model_len, params)
 
 
+def decodes_and_long_prompts(
+    *,
+    vocab_size: int,
+    num_decodes: int,
+    decode_prompt_len: int,
+    decode_output_len: int,
+    num_long: int,
+    long_prompt_len: int,
+    long_output_len: int,
+    seed: int = 0,
+) -> Workload:
+    """The interference workload: ``num_decodes`` short prompts with long outputs (the steady
+    decodes), then ``num_long`` long prompts with short outputs, in that order."""
+    if min(num_decodes, decode_prompt_len, decode_output_len, long_prompt_len, long_output_len) < 1 or num_long < 0:
+        raise ValueError("the interference workload needs positive counts and lengths")
+    rng = np.random.default_rng(seed)
+    p = [decode_prompt_len] * num_decodes + [long_prompt_len] * num_long
+    o = [decode_output_len] * num_decodes + [long_output_len] * num_long
+    params = {"num_decodes": num_decodes, "decode_prompt_len": decode_prompt_len,
+              "decode_output_len": decode_output_len, "num_long": num_long,
+              "long_prompt_len": long_prompt_len, "long_output_len": long_output_len}
+    return _build("interference", seed, rng, p, o, vocab_size, None, params)
+
+
 WORKLOADS = ("orca", "conversational", "fixed")
 
 
