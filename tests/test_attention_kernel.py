@@ -60,9 +60,10 @@ def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):
     return reqs
 
 
-def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d):
+def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False):
     attn = PagedAttention(heads, kvh, d)
     meta = metadata(reqs, backend, k_cache.shape[1])
+    meta.tiled_prefill = tiled
     # The cache already holds every key: only read it (an empty write).
     k_new = torch.empty(0, kvh, d, dtype=q.dtype)
     return attn(q, k_new, k_new, k_cache, v_cache, meta)
@@ -75,7 +76,8 @@ def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d):
     (torch.float16, torch.float16, 2e-3),
 ])
 @pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20)])
-def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, heads, kvh, d):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, heads, kvh, d, tiled):
     rng = random.Random(block_size * 100 + d)
     k_cache, v_cache = make_cache(200, block_size, kvh, d, kv_dtype, seed=d)
     reqs = random_requests(rng, 200, block_size, n_decodes=5, n_prefills=4)
@@ -83,7 +85,7 @@ def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, he
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = d**-0.5
     ref = reference(q, k_cache, v_cache, reqs, scale)
-    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled)
     fallback = attend("torch", q, k_cache, v_cache, reqs, heads, kvh, d)
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)
@@ -94,21 +96,22 @@ def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, he
     (torch.bfloat16, torch.bfloat16, 2e-2),
 ])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (4, 1, 128), (2, 2, 32)])
-def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, tiled):
     """Contexts past the kernel's key chunk (256 positions), decodes and prefill chunks."""
     bs, num_blocks = 16, 400
     rng = random.Random(d)
     k_cache, v_cache = make_cache(num_blocks, bs, kvh, d, kv_dtype, seed=d + 1)
     blocks = rng.sample(range(num_blocks), num_blocks)
     reqs = []
-    for context, n in [(255, 1), (256, 1), (700, 1), (511, 1), (240, 40), (600, 33)]:
+    for context, n in [(255, 1), (256, 1), (700, 1), (511, 1), (240, 40), (600, 33), (0, 150), (65, 70)]:
         need = -(-(context + n) // bs)
         reqs.append((context, n, blocks[:need]))
         blocks = blocks[need:]
     total = sum(n for _, n, _ in reqs)
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(3)).to(dtype)
     ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
-    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled)
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
 
 

@@ -315,7 +315,8 @@ class ModelRunner:
         dev = self.device
         meta = build_metadata(self.ops.attention_backend,
                               torch.from_numpy(np.concatenate(slots)).to(dev),
-                              query_lens, context_lens, tables, bs, dev)
+                              query_lens, context_lens, tables, bs, dev,
+                              tiled_prefill=self.ops.tiled_prefill_attention)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),

@@ -36,6 +36,8 @@ INVARIANT_ROWS = 64
 
 class TorchOps:
     attention_backend: AttentionBackend = "torch"
+    # Prefill tiles on the native path's tiled kernel (numbers depend on the chunking).
+    tiled_prefill_attention = False
     # The sampler's native draw (NativeOps); None: torch generators make the noise.
     exponential_race = None
 
@@ -86,6 +88,8 @@ class NativeOps(TorchOps):
         # Built only where the compiler targets AVX512-BF16. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
+        # Likewise the tiled attention kernel for prefill tiles.
+        self.tiled_prefill_attention = not batch_invariant
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         if not torch.backends.mkldnn.is_available():

@@ -394,10 +394,183 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Prefill tiles with bf16 queries and cache, where the caller lets a row's numbers depend
+// on its tile (not batch_invariant): the query rows lie in the 16 lanes of a vector, so
+// that Q.K and P.V are small matrix products on vdpbf16ps with no horizontal sums, and
+// the online softmax runs down the lanes. P is rounded to bf16 for P.V (FlashAttention
+// does the same); the row sums l keep float P. Keys are taken kTiledKeys at a time.
+constexpr int64_t kTiledKeys = 64;
+constexpr int64_t kTiledMinRows = 16;  // below this the row-wise kernel is as fast
+
+// acc[r] += sum over key pairs of p-pair[r] . V-pair, R rows at a time.
+template <int64_t kChunks, int64_t R>
+inline void pv_pairs(float* acc, int64_t acc_stride, const uint32_t* pp, int64_t pp_stride,
+                     const __m512bh* vi, int64_t n_pairs) {
+  __m512 a[R][kChunks];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + 16 * c);
+  for (int64_t jp = 0; jp < n_pairs; ++jp) {
+    const __m512bh* v = vi + jp * kChunks;
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp * pp_stride + r]));
+      for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], p);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, a[r][c]);
+}
+
+template <int64_t kChunks, int64_t R = 20 / kChunks>
+inline void pv_pairs_any(int64_t rows, float* acc, int64_t acc_stride, const uint32_t* pp, int64_t pp_stride,
+                         const __m512bh* vi, int64_t n_pairs) {
+  if constexpr (R > 1) {
+    if (rows < R) return pv_pairs_any<kChunks, R - 1>(rows, acc, acc_stride, pp, pp_stride, vi, n_pairs);
+  }
+  pv_pairs<kChunks, R>(acc, acc_stride, pp, pp_stride, vi, n_pairs);
+}
+
+template <int64_t kChunks>
+void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFloat16* k_cache,
+                       const c10::BFloat16* v_cache, c10::BFloat16* out, const int64_t* query_start,
+                       const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                       int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                       float scale) {
+  constexpr int64_t D = 16 * kChunks, kPairs = D / 2;
+  const int64_t bs = block_size, group = num_heads / num_kv_heads;
+  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
+  const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
+  const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t rows = w.num_queries * group;  // row = query * group + r
+  const int64_t nrb = (rows + 15) / 16, rpad = nrb * 16;
+  const int64_t token0 = query_start[w.request] + w.first_query;
+  const int64_t key_stride = num_kv_heads * D;
+  const int64_t* table = block_tables + w.request * table_width;
+
+  std::vector<uint32_t> qt(nrb * kPairs * 16), pp(kTiledKeys / 2 * rpad);
+  std::vector<float> acc(rpad * D), s(kTiledKeys * rpad), lsum(rpad);
+  std::vector<__m512bh> vi(kTiledKeys / 2 * kChunks);
+  std::vector<__m512> m(nrb), l(nrb);
+  std::vector<__m512i> row_pos(nrb);
+  std::vector<int64_t> key_offset(kTiledKeys);
+  alignas(64) float alpha_lanes[16];
+  // (a0, b0, a1, b1, ...): the bf16 of two vectors interleaved, as pairs, low then high half.
+  alignas(64) int16_t lo_idx[32], hi_idx[32], pair_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i;
+    hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+    pair_idx[2 * i] = i, pair_idx[2 * i + 1] = 16 + i;
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair = _mm512_load_si512(pair_idx);
+
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    // Q transposed: lane i of qt[rb][p] is dims (2p, 2p+1) of row rb * 16 + i; padded rows
+    // repeat the last one (computed, never written).
+    for (int64_t r = 0; r < rpad; ++r) {
+      const int64_t rr = std::min(r, rows - 1);
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(
+          q + (token0 + rr / group) * q_stride + (h * group + rr % group) * D);
+      for (int64_t p = 0; p < kPairs; ++p) qt[((r / 16) * kPairs + p) * 16 + r % 16] = src[p];
+    }
+    for (int64_t rb = 0; rb < nrb; ++rb) {
+      alignas(64) int32_t pos[16];
+      for (int i = 0; i < 16; ++i) pos[i] = static_cast<int32_t>(first_pos + std::min(rb * 16 + i, rows - 1) / group);
+      row_pos[rb] = _mm512_load_si512(pos);
+      m[rb] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      l[rb] = _mm512_setzero_ps();
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+
+    for (int64_t chunk0 = 0; chunk0 < n_keys; chunk0 += kTiledKeys) {
+      const int64_t nk = std::min(kTiledKeys, n_keys - chunk0);
+      const int64_t nk8 = (nk + 7) / 8 * 8, n_pairs = (nk + 1) / 2;
+      // Keys past nk repeat the last one (in bounds; masked below).
+      for (int64_t j = 0; j < nk8; ++j) {
+        const int64_t pos = chunk0 + std::min(j, nk - 1);
+        key_offset[j] = (table[pos / bs] * bs + pos % bs) * key_stride + h * D;
+      }
+      // (1) scores, 8 keys x 16 rows at a time: s[j][row].
+      for (int64_t rb = 0; rb < nrb; ++rb) {
+        const uint32_t* qrb = &qt[rb * kPairs * 16];
+        for (int64_t j0 = 0; j0 < nk8; j0 += 8) {
+          const uint32_t* kr[8];
+          for (int u = 0; u < 8; ++u) kr[u] = reinterpret_cast<const uint32_t*>(k_cache + key_offset[j0 + u]);
+          __m512 a[8];
+          for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < kPairs; ++p) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qrb + p * 16);
+            for (int u = 0; u < 8; ++u)
+              a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kr[u][p])));
+          }
+          for (int u = 0; u < 8; ++u)
+            if (j0 + u < nk) _mm512_storeu_ps(&s[(j0 + u) * rpad + rb * 16], _mm512_mul_ps(a[u], _mm512_set1_ps(scale)));
+        }
+      }
+      // (2) online softmax down the lanes; p is exactly 0 where a row does not see a key.
+      for (int64_t rb = 0; rb < nrb; ++rb) {
+        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < nk; ++j) {
+          const __mmask16 sees = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(chunk0 + j)), row_pos[rb]);
+          mx = _mm512_mask_max_ps(mx, sees, mx, _mm512_loadu_ps(&s[j * rpad + rb * 16]));
+        }
+        const __m512 m_new = _mm512_max_ps(m[rb], mx);
+        // Every row sees key 0, so m_new is finite from the first chunk on.
+        const __m512 alpha = exp16_nonpositive(_mm512_sub_ps(m[rb], m_new));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < 2 * n_pairs; j += 2) {
+          __m512 p2[2];
+          for (int u = 0; u < 2; ++u) {
+            if (j + u < nk) {
+              const __mmask16 sees = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(chunk0 + j + u)), row_pos[rb]);
+              p2[u] = _mm512_maskz_mov_ps(sees, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
+            } else {
+              p2[u] = _mm512_setzero_ps();
+            }
+            sum = _mm512_add_ps(sum, p2[u]);
+          }
+          // (p_j, p_j+1) of each row as one bf16 pair.
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p2[1], p2[0]);
+          _mm512_storeu_si512(&pp[(j / 2) * rpad + rb * 16], _mm512_permutexvar_epi16(pair, both));
+        }
+        l[rb] = _mm512_fmadd_ps(l[rb], alpha, sum);
+        m[rb] = m_new;
+        _mm512_store_ps(alpha_lanes, alpha);
+        for (int i = 0; i < 16; ++i) {
+          float* a = &acc[(rb * 16 + i) * D];
+          const __m512 al = _mm512_set1_ps(alpha_lanes[i]);
+          for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al));
+        }
+      }
+      // (3) V as key pairs: lane d of vi[jp][c] is (V[2jp][16c + d], V[2jp + 1][16c + d]).
+      for (int64_t jp = 0; jp < n_pairs; ++jp) {
+        const c10::BFloat16* v0 = v_cache + key_offset[2 * jp];
+        const c10::BFloat16* v1 = v_cache + key_offset[std::min(2 * jp + 1, nk8 - 1)];
+        for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * c2), b = _mm512_loadu_si512(v1 + 32 * c2);
+          vi[jp * kChunks + 2 * c2] = (__m512bh)_mm512_permutex2var_epi16(a, lo, b);
+          vi[jp * kChunks + 2 * c2 + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi, b);
+        }
+      }
+      // (4) acc += P.V for the real rows, a few at a time.
+      for (int64_t r0 = 0; r0 < rows; r0 += 20 / kChunks) {
+        const int64_t nr = std::min<int64_t>(20 / kChunks, rows - r0);
+        pv_pairs_any<kChunks>(nr, &acc[r0 * D], D, &pp[r0], rpad, vi.data(), n_pairs);
+      }
+    }
+    for (int64_t rb = 0; rb < nrb; ++rb) _mm512_storeu_ps(&lsum[rb * 16], l[rb]);
+    for (int64_t r = 0; r < rows; ++r) {
+      c10::BFloat16* dst = out + ((token0 + r / group) * num_heads + h * group + r % group) * D;
+      const float inv = 1.0f / lsum[r];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(acc[r * D + d] * inv);
+    }
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-         const at::Tensor& block_tables, double scale) {
+         const at::Tensor& block_tables, double scale, bool tiled) {
   const int64_t num_requests = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -415,7 +588,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                         b.first_query) * b.num_queries;
     return ca > cb;
   });
-  // One kernel for every row of the call: the choice depends on the shapes only.
+  // Without `tiled`, one kernel for every row of the call: the choice depends on the shapes
+  // only. With it, items of many rows take the tiled kernel.
+  (void)tiled;  // unused where the tiled kernel is not built
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
@@ -426,6 +601,21 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (head_dim == 32) item_fn = &attend_item_vec<scalar_t, cache_t, 2>;
         if (head_dim == 64) item_fn = &attend_item_vec<scalar_t, cache_t, 4>;
         if (head_dim == 128) item_fn = &attend_item_vec<scalar_t, cache_t, 8>;
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+          if (tiled && items[i].num_queries * (num_heads / num_kv_heads) >= kTiledMinRows &&
+              (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+            auto* tiled_fn = head_dim == 32 ? &attend_item_tiled<2>
+                             : head_dim == 64 ? &attend_item_tiled<4> : &attend_item_tiled<8>;
+            tiled_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
+                     v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
+                     seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                     block_tables.size(1), q.stride(0), num_heads, num_kv_heads, block_size,
+                     static_cast<float>(scale));
+            continue;
+          }
+        }
 #endif
         item_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
                 v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
@@ -440,11 +630,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 template <typename scalar_t>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables, double scale) {
+                    const at::Tensor& block_tables, double scale, bool tiled) {
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale);
-    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale);
-    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale);
+    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
+    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
+    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
     default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
@@ -453,9 +643,11 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // seq_lens [B] (keys after this step's tokens are written), block_tables [B, width]:
 // all int64. Request r's queries are rows query_start[r] .. query_start[r + 1] of q, at
 // positions seq_lens[r] - q_len .. seq_lens[r] - 1; query i sees keys 0 .. its position.
+// tiled: prefill tiles may take the faster tiled kernel (bf16), whose numbers depend on
+// the tile; without it every row's numbers are independent of the rest of the call.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale) {
+                           const at::Tensor& block_tables, double scale, bool tiled) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -469,9 +661,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "paged_attention: metadata sizes do not match");
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
-    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
-    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale); break;
+    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled); break;
+    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -481,6 +673,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(travelator, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start, "
-        "Tensor seq_lens, Tensor block_tables, float scale) -> Tensor");
+        "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
