@@ -162,12 +162,13 @@ def test_bench_interference_reports_every_mode(tmp_path, capsys):
                "--max-num-batched-tokens", "32", "--num-decodes", "3", "--decode-output-len", "24",
                "--num-long", "2", "--long-prompt-len", "100", "--first-long-at", "0.01",
                "--long-every", "0.01", "--max-queue-delay-ms", "10", "--output-dir", str(out),
-               "--no-progress"])
+               "--repeats", "2", "--no-progress"])
     assert rc == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("p99 time between tokens of the running decodes: chunked prefill")
     report = json.loads((out / "interference.json").read_text())
     assert report["modes"] == ["static", "dynamic", "orca", "iteration"] and report["ratio_line"] == last
+    assert set(report["summary"]) == set(report["modes"]) and len(report["results"]) == 8
     by_mode = {r["mode"]: r for r in report["results"]}
     assert all(r["failed"] == 0 for r in by_mode.values())
     # Whole prompts: a 100-token prompt in one step over the budget of 32; chunks never exceed it.

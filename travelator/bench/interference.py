@@ -161,9 +161,15 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
 
 
 def _medians(rows: list[dict]) -> dict:
-    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and k != "rep"]
-    return {k: float(np.median([r[k] for r in rows if r[k] is not None])) for k in keys
-            if any(r[k] is not None for r in rows)}
+    """Per measure, the median over the runs (counts stay whole numbers)."""
+    out = {}
+    for k, v in rows[0].items():
+        vals = [r[k] for r in rows if r[k] is not None]
+        if k == "rep" or not vals or not isinstance(v, (int, float)):
+            continue
+        med = float(np.median(vals))
+        out[k] = int(round(med)) if all(isinstance(x, int) for x in vals) else med
+    return out
 
 
 def table(rows: list[dict]) -> str:

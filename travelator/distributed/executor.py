@@ -127,6 +127,12 @@ def _close(g: _Group) -> None:
 class TPExecutor:
     """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
+    def read_kv_blocks(self, block_ids: list[int]):
+        raise ValueError("a KV hand-off needs tensor_parallel_size 1")
+
+    def write_kv_blocks(self, block_ids: list[int], data) -> None:
+        raise ValueError("a KV hand-off needs tensor_parallel_size 1")
+
     def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                  size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None) -> None:
         self._grammars = grammars  # the driver's runner masks constrained rows with it

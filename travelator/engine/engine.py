@@ -18,6 +18,7 @@ from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
+from travelator.engine.kv_handoff import KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.scheduler import SchedulerBase
@@ -234,9 +235,11 @@ class LLMEngine:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         params = req.sampling_params
+        # A handed-off request's earlier tokens were streamed by the engine that sampled
+        # them: they are context here, and only the text after them is new.
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, prompt_token_ids=req.prompt_token_ids,
+            params.skip_special_tokens, prompt_token_ids=req.prompt_token_ids + req.output_token_ids,
         )
         self.scheduler.add_request(req)
         self.counters.prompt_tokens += req.num_prompt_tokens
@@ -248,9 +251,67 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        hand_off: bool = False,
     ) -> Request:
-        """Validate and queue a request (``make_request``, then ``enqueue``)."""
+        """Validate and queue a request (``make_request``, then ``enqueue``).
+
+        ``hand_off``: compute the prompt and the first token only; the finishing output
+        then carries the request's KV (``RequestOutput.handoff``) for another engine's
+        ``add_handoff`` to continue it (unless it already ended at its first token).
+        """
         req = self.make_request(prompt, params, request_id, priority, cache_salt)
+        if hand_off:
+            self.prepare_handoff(req)
+        self.enqueue(req)
+        return req
+
+    # ---- prefill/decode disaggregation ----------------------------------------------
+    def prepare_handoff(self, req: Request) -> None:
+        """Make a request from make_request stop after its first token and hand its KV over."""
+        if self.config.scheduler.speculative_method == "draft":
+            raise ValueError("a KV hand-off does not carry a draft model's cache")
+        if req.max_tokens > 1:
+            req.hand_off = True
+            req.max_tokens = 1
+
+    def _read_handoffs(self) -> dict[str, KVHandoff]:
+        """Read out the KV of requests that finished their part here, then free their blocks
+        (full ones stay in the prefix cache)."""
+        done = {}
+        for req in self.scheduler.take_handoffs():
+            rid = req.request_id
+            done[rid] = KVHandoff(rid, list(req.prompt_token_ids), list(req.output_token_ids),
+                                  req.num_computed_tokens, self.kv.block_size,
+                                  self.runner.read_kv_blocks(self.kv.block_ids(rid)))
+            self.kv.free(rid)
+        return done
+
+    def add_handoff(self, handoff: KVHandoff, params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> Request:
+        """Continue a request another engine prefilled: its blocks are allocated and filled
+        here now, and it joins the queue as a decode. ``params`` are the request's own
+        (the prefill engine stopped it after one token). Raises KVPoolFullError, changing
+        nothing, when the pool has no room for it now (retry after a step)."""
+        if handoff.block_size != self.kv.block_size:
+            raise ValueError(f"handed-off blocks hold {handoff.block_size} tokens, this pool's {self.kv.block_size}")
+        req = self.make_request(handoff.prompt_token_ids, params, request_id or handoff.request_id, priority)
+        outputs = list(handoff.output_token_ids)
+        if not outputs or len(outputs) >= req.max_tokens:
+            raise ValueError("a hand-off continues a request that has sampled at least one token and "
+                             "has more to sample")
+        if handoff.num_computed_tokens != req.num_tokens + len(outputs) - 1:
+            raise ValueError("a hand-off must hold the KV of every token but the last sampled")
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.output_token_ids = outputs
+        if self.kv.allocate_slots(req, handoff.num_computed_tokens) is None:
+            raise KVPoolFullError(f"no room for {handoff.num_computed_tokens} tokens of KV now")
+        try:
+            self.runner.write_kv_blocks(self.kv.block_ids(req.request_id), handoff.kv)
+        except Exception:
+            self.kv.free(req.request_id)
+            raise
+        req.num_computed_tokens = handoff.num_computed_tokens
         self.enqueue(req)
         return req
 
@@ -304,6 +365,10 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(out, result)
         outputs += [self._tokens_output(req, toks) if toks else self._finish_output(req)
                     for req, toks in updated]
+        if handoffs := self._read_handoffs():
+            for o in outputs:  # not when a stop string ended it at its first token
+                if o.finish_reason == "length":
+                    o.handoff = handoffs.get(o.request_id)
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, result, time.perf_counter() - t0)
         return outputs

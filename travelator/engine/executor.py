@@ -7,7 +7,10 @@ self-check and the metrics use only this interface.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 
@@ -28,6 +31,14 @@ class Executor(Protocol):
     @property
     def phase_times(self) -> dict[str, float]:
         """Seconds spent per phase of the model step, summed since start (the driver's)."""
+        ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> "torch.Tensor":
+        """The blocks' K and V in every layer, on the CPU (a KV hand-off)."""
+        ...
+
+    def write_kv_blocks(self, block_ids: list[int], data: "torch.Tensor") -> None:
+        """Write another engine's ``read_kv_blocks`` output into these blocks."""
         ...
 
     def held_request_ids(self) -> set[str]:

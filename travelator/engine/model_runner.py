@@ -112,6 +112,30 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks, block_size)
 
+    # ---- KV hand-off (prefill/decode disaggregation) ---------------------------------
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' K and V in every layer: [layers, 2, len(block_ids), block_size, kv heads, head dim]."""
+        self._check_handoff()
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, ids), v.index_select(0, ids)))
+                            for k, v in self.kv_caches]).cpu()
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write ``read_kv_blocks``' output (of another engine) into these blocks."""
+        self._check_handoff()
+        expected = (len(self.kv_caches), 2, len(block_ids), *self.kv_caches[0][0].shape[1:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"handed-off KV has shape {tuple(data.shape)}, this pool wants {expected}")
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device, self.kv_dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, ids, data[layer, 0])
+            v.index_copy_(0, ids, data[layer, 1])
+
+    def _check_handoff(self) -> None:
+        if self.draft is not None:
+            raise ValueError("a KV hand-off does not carry a draft model's cache: no draft-model speculation")
+
     # ---- one step ------------------------------------------------------------------
     def held_request_ids(self) -> set[str]:
         return set(self.states)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from travelator.engine.kv_handoff import KVHandoff
 from travelator.engine.request import RequestTimes
 
 
@@ -33,3 +34,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    # A request added with hand_off that finished its first token: its KV, for another
+    # engine's add_handoff to continue it.
+    handoff: KVHandoff | None = None

@@ -112,6 +112,9 @@ class Request:
     # compared with the one sampled (a free measure of acceptance).
     speculation_probe: int | None = None
     speculation_text: str = ""  # its tokens as characters, for the n-gram lookup
+    # Prefill/decode disaggregation: stop after the first token and hand the KV over to
+    # another engine instead of freeing it (see kv_handoff.py).
+    hand_off: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

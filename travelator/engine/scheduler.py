@@ -37,6 +37,8 @@ class SchedulerBase:
         self.requests: dict[str, Request] = {}
         self._known_by_runner: set[str] = set()
         self._freed: list[str] = []
+        # Finished requests whose blocks are kept until the engine has read them out.
+        self._handoffs: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
         self.speculator = Speculator(
@@ -82,9 +84,18 @@ class SchedulerBase:
 
     def _release(self, req: Request) -> None:
         req.times.finished = time.monotonic()
-        self.kv.free(req.request_id)
+        if req.hand_off and req.status == RequestStatus.FINISHED_LENGTH:
+            self._handoffs.append(req)  # its blocks stay until take_handoffs
+        else:
+            self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self._forget_in_runner(req.request_id)
+
+    def take_handoffs(self) -> list[Request]:
+        """Requests that finished their part here and whose blocks wait to be read out; the
+        caller frees the blocks (``kv.free``) once it has."""
+        out, self._handoffs = self._handoffs, []
+        return out
 
     def _forget_in_runner(self, request_id: str) -> None:
         if request_id in self._known_by_runner:

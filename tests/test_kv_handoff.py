@@ -1,0 +1,115 @@
+"""Prefill on one engine, decode on another (the KV hand-off of disaggregation): the text
+is the single engine's, token for token, and neither pool leaks a block."""
+
+from __future__ import annotations
+
+import pytest
+from paths import STORIES, STORIES_EXPECTED, needs_stories
+
+from travelator import LLM, SamplingParams
+from travelator.engine.kv_handoff import KVPoolFullError
+
+pytestmark = needs_stories
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day"]
+# Bitwise the same numbers whatever the batch: the comparison is exact by construction.
+ENGINE = dict(dtype="float32", batch_invariant=True, block_size=8)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def run(engine, until=None):
+    """Step until idle; every output by request id (the last one of each)."""
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def prefill_then_decode(prefill, decode, prompts, params):
+    ids = [prefill.add_request(p, params, hand_off=True).request_id for p in prompts]
+    first = run(prefill)
+    handoffs = {rid: first[rid][-1].handoff for rid in ids}
+    for rid in ids:
+        decode.add_handoff(handoffs[rid], params)
+    rest = run(decode)
+    texts = [first[rid][-1].text + "".join(o.new_text for o in rest[rid]) for rid in ids]
+    tokens = [handoffs[rid].output_token_ids + rest[rid][-1].output_token_ids[1:] for rid in ids]
+    return texts, tokens, handoffs, rest
+
+
+def test_two_engines_give_the_single_engines_text():
+    params = greedy(40)
+    ref = LLM(str(STORIES), **ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    prefill, decode = LLM(str(STORIES), **ENGINE).engine, LLM(str(STORIES), **ENGINE).engine
+    texts, tokens, handoffs, rest = prefill_then_decode(prefill, decode, PROMPTS, params)
+    assert tokens == [r.outputs[0].token_ids for r in ref]
+    assert texts == [r.outputs[0].text for r in ref]
+    assert PROMPTS[0] + texts[0] == STORIES_EXPECTED[: len(PROMPTS[0] + texts[0])]
+    # The prefill engine computed every prompt, the decode engine none.
+    assert prefill.counters.computed_prompt_tokens == sum(len(h.prompt_token_ids) for h in handoffs.values())
+    assert decode.counters.computed_prompt_tokens == 0
+    assert all(outs[-1].finish_reason == "length" for outs in rest.values())
+    for engine in (prefill, decode):
+        assert engine.kv.num_used_blocks == 0
+        engine.kv.check_consistency()
+        assert engine.runner.held_request_ids() <= set(engine.scheduler.pending_freed_ids)
+
+
+def test_the_prefill_engine_keeps_the_prompt_as_prefix_cache():
+    prefill, decode = LLM(str(STORIES), **ENGINE).engine, LLM(str(STORIES), **ENGINE).engine
+    prompt = "Lily and Tom went to the park and they played with a ball all day long"
+    prefill_then_decode(prefill, decode, [prompt], greedy(4))
+    prefill.add_request(prompt, greedy(4), hand_off=True)
+    run(prefill)
+    assert prefill.kv.stats.hit_tokens >= 8  # at least one full block came from the cache
+
+
+def test_no_hand_off_when_the_request_ends_at_its_first_token():
+    prefill = LLM(str(STORIES), **ENGINE).engine
+    rid = prefill.add_request("One day", greedy(1), hand_off=True).request_id
+    out = run(prefill)[rid][-1]
+    assert out.finished and out.finish_reason == "length" and out.handoff is None
+    assert prefill.kv.num_used_blocks == 0
+
+
+def test_a_full_decode_pool_refuses_and_changes_nothing_then_takes_it():
+    params = greedy(30)
+    prefill = LLM(str(STORIES), **ENGINE).engine
+    # 5 blocks of 8: room for one request of a few prompt tokens and 30 outputs.
+    decode = LLM(str(STORIES), dtype="float32", batch_invariant=True, block_size=8, num_kv_blocks=5).engine
+    ids = [prefill.add_request(p, params, hand_off=True).request_id for p in PROMPTS[:2]]
+    first = run(prefill)
+    decode.add_handoff(first[ids[0]][-1].handoff, params)
+    need = len(first[ids[1]][-1].handoff.kv[0, 0])
+    while decode.has_unfinished_requests() and decode.kv.num_free_blocks >= need:
+        decode.step()  # the first grows until the second no longer fits
+    free = decode.kv.num_free_blocks
+    assert free < need and decode.has_unfinished_requests()
+    with pytest.raises(KVPoolFullError):
+        decode.add_handoff(first[ids[1]][-1].handoff, params)
+    assert decode.kv.num_free_blocks == free and ids[1] not in decode.scheduler.requests
+    run(decode)
+    decode.add_handoff(first[ids[1]][-1].handoff, params)
+    out = run(decode)[ids[1]][-1]
+    assert out.finished and len(out.output_token_ids) == 30
+    assert decode.kv.num_used_blocks == 0
+
+
+def test_bad_hand_offs_are_refused():
+    prefill = LLM(str(STORIES), **ENGINE).engine
+    rid = prefill.add_request("One day", greedy(8), hand_off=True).request_id
+    handoff = run(prefill)[rid][-1].handoff
+    other_block_size = LLM(str(STORIES), dtype="float32", block_size=16).engine
+    with pytest.raises(ValueError, match="blocks hold 8 tokens"):
+        other_block_size.add_handoff(handoff, greedy(8))
+    decode = LLM(str(STORIES), **ENGINE).engine
+    with pytest.raises(ValueError, match="has more to sample"):
+        decode.add_handoff(handoff, greedy(1))
+    decode.add_handoff(handoff, greedy(8))
+    with pytest.raises(ValueError, match="already in use"):
+        decode.add_handoff(handoff, greedy(8))
+    assert decode.kv.num_used_blocks == len(handoff.kv[0, 0])  # the refused ones took nothing
