@@ -113,3 +113,48 @@ def test_bad_hand_offs_are_refused():
     with pytest.raises(ValueError, match="already in use"):
         decode.add_handoff(handoff, greedy(8))
     assert decode.kv.num_used_blocks == len(handoff.kv[0, 0])  # the refused ones took nothing
+
+
+# ---- between processes: torch.distributed point-to-point --------------------------------
+def _worker(rank: int, port: int, prompts: list[str], max_tokens: int, results) -> None:
+    import torch.distributed as dist
+
+    from travelator.distributed.kv_transport import KVChannel
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=120))
+    channel = KVChannel(store, rank, 2, timeout_s=120)
+    engine = LLM(str(STORIES), **ENGINE).engine
+    params = greedy(max_tokens)
+    if rank == 0:  # the prefill worker
+        ids = [engine.add_request(p, params, hand_off=True).request_id for p in prompts]
+        first = run(engine)
+        for rid in ids:
+            channel.send(first[rid][-1].handoff, dst=1)
+        results.put(("prefill", [first[rid][-1].text for rid in ids], channel.sent.bytes,
+                     engine.kv.num_used_blocks))
+    else:  # the decode worker
+        ids = [engine.add_handoff(channel.recv(src=0), params).request_id for _ in prompts]
+        rest = run(engine)
+        results.put(("decode", ["".join(o.new_text for o in rest[rid]) for rid in ids],
+                     channel.received.bytes, engine.kv.num_used_blocks))
+
+
+def test_a_hand_off_travels_between_processes():
+    import multiprocessing
+
+    from travelator.server.process import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, port, PROMPTS, 24, results)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict((name, rest) for name, *rest in (results.get(timeout=180) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (first, sent, used_p), (rest, received, used_d) = got["prefill"], got["decode"]
+    ref = LLM(str(STORIES), **ENGINE).generate(PROMPTS, greedy(24), use_tqdm=False)
+    assert [a + b for a, b in zip(first, rest)] == [r.outputs[0].text for r in ref]
+    assert sent == received > 0 and used_p == used_d == 0

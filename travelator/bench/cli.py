@@ -310,8 +310,8 @@ def cmd_interference(args: argparse.Namespace) -> int:
         log=lambda s: print(s, file=sys.stderr))
     print(table(report["results"]))
     if args.repeats > 1:
-        print("medians over the repeats:")
-        print(table([dict(mode=m, rep=args.repeats, **v) for m, v in report["summary"].items()]))
+        print(f"medians over the {args.repeats} runs of each mode:")
+        print(table([dict(mode=m, **v) for m, v in report["summary"].items()], medians=True))
     for f in report["files"].values():
         print(f"wrote {f}", file=sys.stderr)
     if report["ratio_line"]:

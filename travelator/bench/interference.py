@@ -172,8 +172,9 @@ def _medians(rows: list[dict]) -> dict:
     return out
 
 
-def table(rows: list[dict]) -> str:
-    return format_table(rows, TABLE_COLUMNS)
+def table(rows: list[dict], medians: bool = False) -> str:
+    """The runs, one row each; ``medians``: one row per mode (no run number)."""
+    return format_table(rows, [c for c in TABLE_COLUMNS if not (medians and c[1] == "rep")])
 
 
 # ---- plots ----------------------------------------------------------------------------
