@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
 from travelator.sampling_params import SamplingParams
@@ -26,8 +28,10 @@ def _engine(max_num_seqs: int):
     return llm.engine, calls
 
 
-async def _latencies(engine, num_requests: int) -> list[float]:
+async def _latencies(engine, num_requests: int, notified: list | None = None) -> list[float]:
     aeng = AsyncEngine(engine)
+    if notified is not None:
+        aeng.step_listeners.append(lambda stats, outputs: notified.append(stats))
     aeng.start()
     try:
         async def one(i: int) -> float:
@@ -44,10 +48,44 @@ async def _latencies(engine, num_requests: int) -> list[float]:
 
 def test_a_lone_request_waits_the_delay_without_spinning():
     engine, calls = _engine(max_num_seqs=4)
-    (latency,) = asyncio.run(_latencies(engine, 1))
+    notified: list = []
+    (latency,) = asyncio.run(_latencies(engine, 1, notified))
     assert latency >= DELAY_S
     # A busy loop would schedule thousands of times during the delay; a sleeping one a few.
     assert calls["schedule"] < 20, calls
+    assert len(notified) == engine.counters.steps == 3
+
+
+def test_metrics_hear_of_each_step_once():
+    """A request arriving while a batch waits wakes the loop to an empty schedule: that is not
+    a step, and the metrics must not hear of the previous one again."""
+    engine, _ = _engine(max_num_seqs=4)
+    notified: list = []
+
+    async def scenario():
+        aeng = AsyncEngine(engine)
+        aeng.step_listeners.append(lambda stats, outputs: notified.append(stats))
+        aeng.start()
+
+        async def one(i):
+            async for out in aeng.generate([5 + i, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)):
+                pass
+
+        try:
+            await one(0)  # waits its delay, then 3 steps
+            later = asyncio.create_task(one(1))
+            await asyncio.sleep(DELAY_S / 3)
+            await asyncio.gather(later, one(2))  # joins the waiting batch, not full: still waits
+        finally:
+            aeng.stop()
+
+    asyncio.run(scenario())
+    assert engine.counters.steps == 6 and len(notified) == 6
+
+
+def test_an_endless_delay_is_refused():
+    with pytest.raises(ValueError, match="max_queue_delay_ms"):
+        LLM("dummy:tiny", batching="dynamic", max_queue_delay_ms=float("inf"))
 
 
 def test_a_full_batch_starts_at_once():

@@ -158,3 +158,23 @@ def test_a_hand_off_travels_between_processes():
     ref = LLM(str(STORIES), **ENGINE).generate(PROMPTS, greedy(24), use_tqdm=False)
     assert [a + b for a, b in zip(first, rest)] == [r.outputs[0].text for r in ref]
     assert sent == received > 0 and used_p == used_d == 0
+
+
+def test_a_failed_read_fails_that_request_and_frees_its_blocks():
+    prefill = LLM(str(STORIES), **ENGINE).engine
+    read = prefill.runner.read_kv_blocks
+    calls = []
+
+    def flaky(block_ids):
+        calls.append(block_ids)
+        if len(calls) == 1:
+            raise RuntimeError("lost the cache")
+        return read(block_ids)
+
+    prefill.runner.read_kv_blocks = flaky
+    ids = [prefill.add_request(p, greedy(8), hand_off=True).request_id for p in PROMPTS[:2]]
+    outs = run(prefill)
+    last = [outs[rid][-1] for rid in ids]
+    assert [o.finish_reason for o in last].count("error") == 1
+    assert sum(o.handoff is not None for o in last) == 1
+    assert prefill.kv.num_used_blocks == 0

@@ -183,3 +183,13 @@ def test_random_workloads(reqs, block_size, budget, max_num_seqs, spare_blocks, 
     assert all(len(res.outputs[a.request_id]) == a.max_tokens for a in arrivals)
     unlimited = simulate(make_scheduler("iteration", 10_000, block_size, 64, 10_000), arrivals)
     assert res.outputs == unlimited.outputs
+
+
+def test_whole_prompts_count_prefix_cache_hits_against_the_budget():
+    # A's 40-token prompt is cached when B (the same 40 tokens and 2 more) and C (2 tokens)
+    # arrive; C first. B has only 2 tokens left to compute: it joins in C's step, within the
+    # budget of 16, rather than waiting for a step of its own.
+    prompt = list(range(40))
+    arrivals = [Arrival(0, "A", prompt, 1), Arrival(3, "C", [1, 2], 2), Arrival(3, "B", prompt + [7, 8], 2)]
+    res = simulate(make_scheduler("orca", 100, 4, max_num_seqs=8, budget=16, prefix_caching=True), arrivals)
+    assert res.first_scheduled["C"] == res.first_scheduled["B"] == 3

@@ -167,8 +167,8 @@ class SchedulerConfig:
                 raise ValueError("speculation_saturation_rows must be positive")
         if self.scheduling_policy == "priority" and self.batching != "iteration":
             raise ValueError("priority scheduling needs --batching iteration")
-        if self.max_queue_delay_ms < 0:
-            raise ValueError("max_queue_delay_ms must be non-negative")
+        if not 0 <= self.max_queue_delay_ms < float("inf"):
+            raise ValueError("max_queue_delay_ms must be a non-negative number of milliseconds")
         if self.max_overtakes < 0:
             raise ValueError("max_overtakes must be non-negative")
         if self.max_num_seqs < 1:

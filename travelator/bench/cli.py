@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from travelator.bench.arrivals import parse_rate
-from travelator.bench.compare import DEFAULT_MODES, jsonable
+from travelator.bench.compare import BATCHING_MODES, DEFAULT_MODES, jsonable
 from travelator.bench.metrics import compute_metrics, format_metrics, format_table, parse_slo
 from travelator.bench.soak.cli import add_soak_parser
 from travelator.bench.workloads import WORKLOADS, Workload, make_workload
@@ -280,8 +280,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _print_workload(workload)
     report = run_compare(
         model, kw, workload, rates, burstiness=args.burstiness,
-        # A string when given as the deprecated --scheduler, which names one mode.
-        modes=[args.batching] if isinstance(args.batching, str) else args.batching, arrival_seed=args.arrival_seed,
+        modes=args.batching_modes, arrival_seed=args.arrival_seed,
         latency_target=args.latency_target, occupancy_rate=args.occupancy_rate,
         output_dir=args.output_dir, progress=not args.no_progress,
         log=lambda s: print(s, file=sys.stderr),
@@ -305,8 +304,7 @@ def cmd_interference(args: argparse.Namespace) -> int:
         first_long_at_s=args.first_long_at, long_every_s=args.long_every)
     report = run_interference(
         resolve_model(args), engine_kwargs(args), setup,
-        modes=[args.batching] if isinstance(args.batching, str) else args.batching,
-        repeats=args.repeats, output_dir=args.output_dir, progress=not args.no_progress,
+        modes=args.batching_modes, repeats=args.repeats, output_dir=args.output_dir, progress=not args.no_progress,
         log=lambda s: print(s, file=sys.stderr))
     print(table(report["results"]))
     if args.repeats > 1:
@@ -320,6 +318,15 @@ def cmd_interference(args: argparse.Namespace) -> int:
 
 
 # ---- the parser -----------------------------------------------------------------------
+def _add_modes_arg(p: argparse.ArgumentParser, default, default_text: str) -> None:
+    """--batching as a list of modes, replacing the engine's single --batching (each engine
+    of the run gets one mode; the engine setting keeps its default)."""
+    p.add_argument("--batching", nargs="+", dest="batching_modes", default=list(default),
+                   metavar="MODE", help="batching modes, any of static dynamic orca iteration "
+                                        f"(chunked = iteration; default: {default_text})")
+    p.set_defaults(batching="iteration")
+
+
 def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser(
         "bench", help="benchmarks: offline throughput, online serving, static vs iteration-level, "
@@ -379,10 +386,7 @@ def add_bench_parser(subparsers) -> None:
                                     "newest mode against each other at the same latency target.",
                         epilog=_EPILOG, formatter_class=fmt, conflict_handler="resolve")
     add_engine_args(cp)
-    # Replaces the engine's single --batching: here it is the list of modes to compare.
-    cp.add_argument("--batching", nargs="+", default=list(DEFAULT_MODES), metavar="MODE",
-                    help="batching modes to compare, any of static dynamic orca iteration "
-                         "(chunked = iteration; default: static iteration)")
+    _add_modes_arg(cp, DEFAULT_MODES, "static iteration")
     _add_workload_args(cp, num_requests=32)
     g = cp.add_argument_group("sweep")
     g.add_argument("--request-rates", nargs="+", default=["0.5", "1", "2", "4"], metavar="RATE",
@@ -407,9 +411,7 @@ def add_bench_parser(subparsers) -> None:
                     "throughput; writes interference.json, tbt_cdf.png and step_timeline.png.",
         conflict_handler="resolve")
     add_engine_args(it)
-    it.add_argument("--batching", nargs="+", default=["static", "dynamic", "orca", "iteration"],
-                    metavar="MODE", help="batching modes, any of static dynamic orca iteration "
-                                         "(chunked = iteration; default: all four)")
+    _add_modes_arg(it, BATCHING_MODES, "all four")
     g = it.add_argument_group("workload")
     g.add_argument("--num-decodes", type=int, default=8, help="steady decodes, present at the start")
     g.add_argument("--decode-prompt-len", type=int, default=32)

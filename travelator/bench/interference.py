@@ -46,6 +46,16 @@ class InterferenceSetup:
     first_long_at_s: float = 0.5
     long_every_s: float = 0.5
 
+    def __post_init__(self) -> None:
+        if self.num_decodes < 1 or self.num_long < 1:
+            raise ValueError("the interference experiment needs at least one steady decode and one long prompt")
+        if self.decode_output_len < 2:
+            raise ValueError("a steady decode needs at least 2 output tokens (a time between tokens)")
+        if min(self.decode_prompt_len, self.long_prompt_len, self.long_output_len) < 1:
+            raise ValueError("prompt and output lengths must be positive")
+        if self.first_long_at_s < 0 or self.long_every_s < 0:
+            raise ValueError("arrival times must be non-negative")
+
     def arrivals(self) -> list[float]:
         return [0.0] * self.num_decodes + [self.first_long_at_s + k * self.long_every_s
                                            for k in range(self.num_long)]
@@ -121,7 +131,7 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
     rows: list[dict] = []
     traces: dict[str, dict] = {}
     for rep in range(repeats):
-        # A fresh salt per run: no prefix-cache hits on an earlier run's blocks.
+        # Fresh prompts per run (seeded by the run): no prefix-cache hits on an earlier run's blocks.
         work = decodes_and_long_prompts(
             vocab_size=vocab, num_decodes=setup.num_decodes, decode_prompt_len=setup.decode_prompt_len,
             decode_output_len=setup.decode_output_len, num_long=setup.num_long,

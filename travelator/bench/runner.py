@@ -92,6 +92,8 @@ def warm_up(engine, num_requests: int = 2, prompt_len: int = 16, output_len: int
         engine.add_request(rng.integers(lo, vocab, size=prompt_len).tolist(),
                            sampling_params_for(output_len))
     while engine.has_unfinished_requests():
+        if hold := engine.seconds_until_admission():  # dynamic batching waits for company
+            time.sleep(hold)
         engine.step()
 
 

@@ -127,12 +127,6 @@ def _close(g: _Group) -> None:
 class TPExecutor:
     """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
-    def read_kv_blocks(self, block_ids: list[int]):
-        raise ValueError("a KV hand-off needs tensor_parallel_size 1")
-
-    def write_kv_blocks(self, block_ids: list[int], data) -> None:
-        raise ValueError("a KV hand-off needs tensor_parallel_size 1")
-
     def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                  size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None) -> None:
         self._grammars = grammars  # the driver's runner masks constrained rows with it
@@ -290,6 +284,12 @@ class TPExecutor:
     @property
     def phase_times(self) -> dict[str, float]:
         return self.runner.phase_times
+
+    def read_kv_blocks(self, block_ids: list[int]):
+        raise ValueError("a KV hand-off needs tensor_parallel_size 1")
+
+    def write_kv_blocks(self, block_ids: list[int], data) -> None:
+        raise ValueError("a KV hand-off needs tensor_parallel_size 1")
 
     def held_request_ids(self) -> set[str]:
         return set().union(*self.call("held_request_ids"))

@@ -1,7 +1,7 @@
 """KV hand-offs between processes: torch.distributed point-to-point on a gloo group.
 
 A prefill worker sends each ``KVHandoff`` to a decode worker: a small header (the request's
-tokens and the data's shape, pickled) and then the K/V one layer at a time, every send
+tokens and the data's shape, as JSON: nothing received is unpickled) and then the K/V one layer at a time, every send
 queued at once so that gloo moves a layer while the next is handed over. The receiver
 allocates each layer's buffer from the header. The group is built from a store, with no
 process-wide default group, as ``comm.py`` does.
@@ -10,7 +10,7 @@ process-wide default group, as ``comm.py`` does.
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 import time
 from dataclasses import dataclass
 
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from travelator.engine.kv_handoff import KVHandoff
 
 _TAG_SIZE, _TAG_HEADER, _TAG_LAYER0 = 0, 1, 2
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -44,12 +45,13 @@ class KVChannel:
         """Send a hand-off to rank ``dst``; returns once gloo has sent every part."""
         t0 = time.perf_counter()
         kv = handoff.kv
-        header = pickle.dumps({
+        header = json.dumps({
             "request_id": handoff.request_id, "prompt_token_ids": handoff.prompt_token_ids,
             "output_token_ids": handoff.output_token_ids,
             "num_computed_tokens": handoff.num_computed_tokens, "block_size": handoff.block_size,
-            "shape": tuple(kv.shape), "dtype": str(kv.dtype).removeprefix("torch."),
-        }, protocol=pickle.HIGHEST_PROTOCOL)
+            "cache_salt": handoff.cache_salt,
+            "shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch."),
+        }).encode()
         data = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         works = [self.group.send([torch.tensor([len(header)], dtype=torch.long)], dst, _TAG_SIZE),
                  self.group.send([data], dst, _TAG_HEADER)]
@@ -68,15 +70,15 @@ class KVChannel:
         t0 = time.perf_counter()  # from the first byte: not the time spent waiting for work
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
         self.group.recv([buf], src, _TAG_HEADER).wait()
-        head = pickle.loads(buf.numpy().tobytes())
-        shape, dtype = head["shape"], getattr(torch, head["dtype"])
+        head = json.loads(buf.numpy().tobytes())
+        shape, dtype = head["shape"], _DTYPES[head["dtype"]]
         layers = [torch.empty(shape[1:], dtype=dtype) for _ in range(shape[0])]
         works = [self.group.recv([t], src, _TAG_LAYER0 + i) for i, t in enumerate(layers)]
         for w in works:
             w.wait()
         kv = torch.stack(layers) if layers else torch.empty(shape, dtype=dtype)
         handoff = KVHandoff(head["request_id"], head["prompt_token_ids"], head["output_token_ids"],
-                            head["num_computed_tokens"], head["block_size"], kv)
+                            head["num_computed_tokens"], head["block_size"], kv, head["cache_salt"])
         self.received.handoffs += 1
         self.received.bytes += handoff.nbytes
         self.received.seconds += time.perf_counter() - t0

@@ -216,10 +216,13 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self.step_started = time.monotonic()
+                    steps = self.engine.counters.steps
                     outputs = self.engine.step()
                     self.step_started = None
                     self._deliver(outputs)
-                    if self.engine.last_step is not None:
+                    # Not after an empty schedule (dynamic batching holding its batch):
+                    # last_step is then the previous step, already reported.
+                    if self.engine.counters.steps != steps and self.engine.last_step is not None:
                         self._notify_step(self.engine.last_step, outputs)
         except BaseException as exc:  # the loop died: fail everyone, never hang them
             logger.exception("the step loop died")

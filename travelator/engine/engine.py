@@ -270,20 +270,27 @@ class LLMEngine:
         """Make a request from make_request stop after its first token and hand its KV over."""
         if self.config.scheduler.speculative_method == "draft":
             raise ValueError("a KV hand-off does not carry a draft model's cache")
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("a KV hand-off needs tensor_parallel_size 1")
         if req.max_tokens > 1:
             req.hand_off = True
             req.max_tokens = 1
 
-    def _read_handoffs(self) -> dict[str, KVHandoff]:
+    def _read_handoffs(self) -> dict[str, KVHandoff | str]:
         """Read out the KV of requests that finished their part here, then free their blocks
-        (full ones stay in the prefix cache)."""
-        done = {}
+        (full ones stay in the prefix cache). A read that fails gives that request's error."""
+        done: dict[str, KVHandoff | str] = {}
         for req in self.scheduler.take_handoffs():
             rid = req.request_id
-            done[rid] = KVHandoff(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                  req.num_computed_tokens, self.kv.block_size,
-                                  self.runner.read_kv_blocks(self.kv.block_ids(rid)))
-            self.kv.free(rid)
+            try:
+                done[rid] = KVHandoff(rid, list(req.prompt_token_ids), list(req.output_token_ids),
+                                      req.num_computed_tokens, self.kv.block_size,
+                                      self.runner.read_kv_blocks(self.kv.block_ids(rid)), req.cache_salt)
+            except Exception as exc:  # noqa: BLE001 - fail this request, not the step loop
+                logger.exception("reading the KV of %s for its hand-off failed", rid)
+                done[rid] = f"the KV hand-off failed: {exc!r}"
+            finally:
+                self.kv.free(rid)
         return done
 
     def add_handoff(self, handoff: KVHandoff, params: SamplingParams, request_id: str | None = None,
@@ -294,7 +301,8 @@ class LLMEngine:
         nothing, when the pool has no room for it now (retry after a step)."""
         if handoff.block_size != self.kv.block_size:
             raise ValueError(f"handed-off blocks hold {handoff.block_size} tokens, this pool's {self.kv.block_size}")
-        req = self.make_request(handoff.prompt_token_ids, params, request_id or handoff.request_id, priority)
+        req = self.make_request(handoff.prompt_token_ids, params, request_id or handoff.request_id, priority,
+                                handoff.cache_salt)
         outputs = list(handoff.output_token_ids)
         if not outputs or len(outputs) >= req.max_tokens:
             raise ValueError("a hand-off continues a request that has sampled at least one token and "
@@ -367,8 +375,11 @@ class LLMEngine:
                     for req, toks in updated]
         if handoffs := self._read_handoffs():
             for o in outputs:  # not when a stop string ended it at its first token
-                if o.finish_reason == "length":
-                    o.handoff = handoffs.get(o.request_id)
+                h = handoffs.get(o.request_id)
+                if isinstance(h, str):
+                    o.finish_reason, o.error = "error", h
+                elif h is not None and o.finish_reason == "length":
+                    o.handoff = h
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
         self._record_step(out, result, time.perf_counter() - t0)
         return outputs

@@ -12,8 +12,10 @@ contents, in the request's order, travel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -25,7 +27,8 @@ class KVHandoff:
     block_size: int
     # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], the request's
     # blocks in its own order; slots past num_computed_tokens are unspecified.
-    kv: torch.Tensor
+    kv: "torch.Tensor"
+    cache_salt: str | None = None  # the request's prefix-cache salt, kept on the decode side
 
     @property
     def nbytes(self) -> int:

@@ -126,8 +126,10 @@ class ModelRunner:
         expected = (len(self.kv_caches), 2, len(block_ids), *self.kv_caches[0][0].shape[1:])
         if tuple(data.shape) != expected:
             raise ValueError(f"handed-off KV has shape {tuple(data.shape)}, this pool wants {expected}")
+        if data.dtype != self.kv_dtype:
+            raise ValueError(f"handed-off KV is {data.dtype}, this pool holds {self.kv_dtype}")
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = data.to(self.device, self.kv_dtype)
+        data = data.to(self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, ids, data[layer, 0])
             v.index_copy_(0, ids, data[layer, 1])

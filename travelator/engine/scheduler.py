@@ -407,9 +407,12 @@ class WholePromptScheduler(IterationScheduler):
     """
 
     def _admission_budget(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
-        whole = req.num_tokens - req.num_computed_tokens  # before any prefix-cache hit
+        computed = req.num_computed_tokens
+        if computed == 0 and not self.kv.block_ids(req.request_id):  # what a cache hit would spare
+            computed = len(self.kv.find_cached_prefix(req)) * self.kv.block_size
+        whole = req.num_tokens - computed
         if whole <= budget or out.num_prefill_tokens == 0:
-            return whole
+            return req.num_tokens  # never limiting: _schedule_tokens computes the rest whole
         return None
 
 
