@@ -11,6 +11,9 @@
 # from a quiet machine: it prints the load average before it starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}  # the environment travelator is installed in
+"$PYTHON" -c "import travelator" 2>/dev/null || {
+  echo "error: $PYTHON cannot import travelator; activate its environment or set PYTHON" >&2; exit 2; }
 OUT=${HISTORY_OUT:-docs/history}
 MODEL=${HISTORY_MODEL:-dummy:llama-50m}
 mkdir -p "$OUT"
@@ -24,13 +27,13 @@ fi
 ENGINE=(--model "$MODEL" --dtype bfloat16 --max-num-seqs 16 --max-model-len 2048
         --max-num-batched-tokens 256 --max-queue-delay-ms 100)
 
-python -m travelator.bench.cli compare "${ENGINE[@]}" \
+"$PYTHON" -m travelator.bench.cli compare "${ENGINE[@]}" \
   --batching static dynamic orca iteration \
   --workload orca --prompt-len-range 32 256 --output-len-range 1 128 \
   --num-requests 96 --workload-seed 0 --arrival-seed 0 \
   --request-rates 2 4 8 16 32 --output-dir "$OUT" --no-progress | tee "$OUT/compare.txt"
 
-python -m travelator.bench.cli interference "${ENGINE[@]}" \
+"$PYTHON" -m travelator.bench.cli interference "${ENGINE[@]}" \
   --batching static dynamic orca iteration \
   --num-decodes 8 --decode-prompt-len 32 --decode-output-len 384 \
   --num-long 6 --long-prompt-len 1536 --long-output-len 8 --first-long-at 0.5 --long-every 0.5 \
