@@ -6,7 +6,6 @@ the same check says so: it can fail."""
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -51,8 +50,7 @@ def run(llm: LLM, reqs: list[Req]) -> dict[int, Result]:
         while pending and reqs[pending[0]].arrival_step <= step:
             i = pending.pop(0)
             ids[engine.add_request(list(reqs[i].prompt), reqs[i].params()).request_id] = i
-        if hold := engine.seconds_until_admission():  # dynamic batching: wait as a server would
-            time.sleep(hold)
+        engine.wait_for_admission()  # dynamic batching: wait as a server would
         for out in engine.step():
             assert out.error is None, out.error
             tokens, lps, tops = got[ids[out.request_id]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,8 +102,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         remaining = set(ids)
         while remaining:
-            if hold := self.engine.seconds_until_admission():
-                time.sleep(hold)  # dynamic batching waits for a fuller batch; nobody else comes
+            self.engine.wait_for_admission()  # dynamic batching: nobody else comes to fill it
             for out in self.engine.step():
                 if out.request_id not in ids:
                     continue

@@ -193,10 +193,7 @@ def run_compare(
                 f"median normalised latency {m['median_norm_latency_s_per_token']:.4f} s/token, "
                 f"mean busy seats {row.get('mean_batch_requests', 0):.1f}/{max_num_seqs}")
     rows.sort(key=lambda r: (r["rate"], modes.index(r["scheduler"])))
-    model_info = {
-        "model": model, "name": eng0.model_name, "num_parameters": eng0.arch.num_parameters,
-        "dtype": str(eng0.dtype).replace("torch.", ""), "device": str(eng0.device),
-    }
+    model_info = model_summary(model, eng0)
     del engines, eng0
     gc.collect()
     target = latency_target if latency_target is not None else default_latency_target(rows)
@@ -216,16 +213,22 @@ def run_compare(
         "files": {},
     }
     report["files"]["latency_png"] = str(plot_latency_vs_throughput(
-        rows, modes, target, out_dir / "latency_vs_throughput.png", title=_title(model_info)))
+        rows, modes, target, out_dir / "latency_vs_throughput.png", title=plot_title(model_info)))
     report["files"]["occupancy_png"] = str(plot_occupancy(
-        traces, modes, max_num_seqs, occ_rate, out_dir / "batch_occupancy.png", title=_title(model_info)))
+        traces, modes, max_num_seqs, occ_rate, out_dir / "batch_occupancy.png", title=plot_title(model_info)))
     json_path = out_dir / "compare.json"
     report["files"]["json"] = str(json_path)
     json_path.write_text(json.dumps(jsonable(report), indent=1))
     return report
 
 
-def _title(info: dict) -> str:
+def model_summary(model: str, engine) -> dict:
+    """What a report says of the model an engine runs."""
+    return {"model": model, "name": engine.model_name, "num_parameters": engine.arch.num_parameters,
+            "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device)}
+
+
+def plot_title(info: dict) -> str:
     n = info["num_parameters"]
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else (f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K")
     return f"{info['name']} ({size} params, {info['dtype']}, {info['device']})"
@@ -248,7 +251,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
 
 
 # ---- plots ----------------------------------------------------------------------------
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +260,7 @@ def _pyplot():
     return plt
 
 
-_STYLE = {"static": dict(color="tab:red", marker="s", label=LABELS["static"]),
+MODE_STYLE = {"static": dict(color="tab:red", marker="s", label=LABELS["static"]),
           "dynamic": dict(color="tab:orange", marker="D", label=LABELS["dynamic"]),
           "orca": dict(color="tab:green", marker="^", label=LABELS["orca"]),
           "iteration": dict(color="tab:blue", marker="o", label=LABELS["iteration"])}
@@ -265,7 +268,7 @@ _STYLE = {"static": dict(color="tab:red", marker="s", label=LABELS["static"]),
 
 def plot_latency_vs_throughput(rows: list[dict], modes: list[str], target: float, path: Path,
                                title: str = "") -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     lats = []
     for sched in modes:
@@ -275,10 +278,10 @@ def plot_latency_vs_throughput(rows: list[dict], modes: list[str], target: float
             continue
         xs, ys, rs = zip(*pts)
         lats += ys
-        ax.plot(xs, ys, **_STYLE[sched])
+        ax.plot(xs, ys, **MODE_STYLE[sched])
         for x, y, rate in pts:
             ax.annotate(f"{rate:g}", (x, y), textcoords="offset points", xytext=(4, 4),
-                        fontsize=7, color=_STYLE[sched]["color"])
+                        fontsize=7, color=MODE_STYLE[sched]["color"])
     ax.axhline(target, color="gray", ls="--", lw=1, label=f"latency target {target:.3f} s/token")
     if lats and max(lats) / max(min(lats), 1e-9) > 20:
         ax.set_yscale("log")
@@ -296,7 +299,7 @@ def plot_latency_vs_throughput(rows: list[dict], modes: list[str], target: float
 
 def plot_occupancy(traces: dict[str, dict], modes: list[str], max_num_seqs: int, rate: float, path: Path,
                    title: str = "") -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(modes), 1, figsize=(8, 1.2 + 1.9 * len(modes)), dpi=110, sharey=True)
     ymax = max([max_num_seqs] + [w for tr in traces.values() for w in tr.get("num_waiting", [])])
     for ax, sched in zip(axes, modes):
@@ -304,7 +307,7 @@ def plot_occupancy(traces: dict[str, dict], modes: list[str], max_num_seqs: int,
         busy = tr.get("num_requests", [])
         waiting = tr.get("num_waiting", [])
         steps = range(len(busy))
-        color = _STYLE[sched]["color"]
+        color = MODE_STYLE[sched]["color"]
         ax.fill_between(steps, busy, step="post", alpha=0.45, color=color, label="busy seats")
         ax.step(steps, busy, where="post", color=color, lw=0.8)
         if waiting:
@@ -314,7 +317,7 @@ def plot_occupancy(traces: dict[str, dict], modes: list[str], max_num_seqs: int,
             dur = tr.get("duration_s", [])
             tot = sum(dur) or 1.0
             occ = sum(b * d for b, d in zip(busy, dur)) / (tot * max_num_seqs)
-            ax.set_title(f"{_STYLE[sched]['label']}: {len(busy)} steps, "
+            ax.set_title(f"{MODE_STYLE[sched]['label']}: {len(busy)} steps, "
                          f"{occ:.0%} of seat-time busy", fontsize=9)
         ax.set_ylabel("requests")
         ax.set_ylim(0, ymax * 1.35)

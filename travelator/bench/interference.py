@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from travelator.bench.compare import LABELS, _pyplot, _STYLE, _title, jsonable, parse_modes
+from travelator.bench.compare import LABELS, MODE_STYLE, jsonable, model_summary, parse_modes, plot_title, pyplot
 from travelator.bench.metrics import format_table
 from travelator.bench.runner import RunResult, run_engine, warm_up
 from travelator.bench.workloads import decodes_and_long_prompts
@@ -149,8 +149,7 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
                 f"{row['tbt_max_ms']:.0f} ms, long-prompt TTFT median {row['long_ttft_median_ms']:.0f} ms")
     rows.sort(key=lambda r: (modes.index(r["mode"]), r["rep"]))
     summary = {mode: _medians([r for r in rows if r["mode"] == mode]) for mode in modes}
-    model_info = {"model": model, "name": eng0.model_name, "num_parameters": eng0.arch.num_parameters,
-                  "dtype": str(eng0.dtype).replace("torch.", ""), "device": str(eng0.device)}
+    model_info = model_summary(model, eng0)
     budget = eng0.config.scheduler.max_num_batched_tokens
     del engines, eng0
     gc.collect()
@@ -160,7 +159,7 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
         "engine": {k: v for k, v in engine_kwargs.items() if k != "batching"},
         "results": rows, "summary": summary, "ratio_line": line, "traces": traces, "files": {},
     }
-    title = f"{_title(model_info)}, token budget {budget}"
+    title = f"{plot_title(model_info)}, token budget {budget}"
     report["files"]["tbt_cdf_png"] = str(plot_tbt_cdf(traces, modes, out_dir / "tbt_cdf.png", title))
     report["files"]["timeline_png"] = str(plot_step_timeline(traces, modes, arrivals[setup.num_decodes:],
                                                              out_dir / "step_timeline.png", title))
@@ -189,13 +188,13 @@ def table(rows: list[dict], medians: bool = False) -> str:
 
 # ---- plots ----------------------------------------------------------------------------
 def plot_tbt_cdf(traces: dict[str, dict], modes: list[str], path: Path, title: str = "") -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for mode in modes:
         gaps = np.sort(traces[mode]["tbt_ms"])
         if gaps.size:
             ax.step(gaps, np.arange(1, gaps.size + 1) / gaps.size, where="post",
-                    color=_STYLE[mode]["color"], label=LABELS[mode])
+                    color=MODE_STYLE[mode]["color"], label=LABELS[mode])
     ax.set_xscale("log")
     ax.axhline(0.99, color="gray", ls=":", lw=1, label="p99")
     ax.set_xlabel("time between tokens of a steady decode (ms, log scale)")
@@ -212,7 +211,7 @@ def plot_tbt_cdf(traces: dict[str, dict], modes: list[str], path: Path, title: s
 def plot_step_timeline(traces: dict[str, dict], modes: list[str], long_arrivals: list[float],
                        path: Path, title: str = "") -> Path:
     """Each step's duration at the time it ended; steps that computed prompt tokens marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(modes), 1, figsize=(8, 1.2 + 1.9 * len(modes)), dpi=110,
                              sharex=True, sharey=True)
     for ax, mode in zip(np.atleast_1d(axes), modes):
@@ -220,7 +219,7 @@ def plot_step_timeline(traces: dict[str, dict], modes: list[str], long_arrivals:
         t = np.array(st.get("t", []))
         dur = np.array(st.get("duration_s", [])) * 1000
         prefill = np.array(st.get("num_prefill_tokens", [])) > 0
-        color = _STYLE[mode]["color"]
+        color = MODE_STYLE[mode]["color"]
         if t.size:
             ax.vlines(t, 0, dur, color=color, lw=0.6, alpha=0.6)
             ax.scatter(t[prefill], dur[prefill], s=9, color="black", zorder=3,

@@ -92,8 +92,7 @@ def warm_up(engine, num_requests: int = 2, prompt_len: int = 16, output_len: int
         engine.add_request(rng.integers(lo, vocab, size=prompt_len).tolist(),
                            sampling_params_for(output_len))
     while engine.has_unfinished_requests():
-        if hold := engine.seconds_until_admission():  # dynamic batching waits for company
-            time.sleep(hold)
+        engine.wait_for_admission()  # dynamic batching waits for company
         engine.step()
 
 
@@ -136,10 +135,8 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
                 raise RuntimeError(f"the engine is idle but {n - done} requests never finished")
             time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
             continue
-        if hold := engine.seconds_until_admission():  # dynamic batching waits for a fuller batch
-            if nxt < n:
-                hold = min(hold, max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
-            time.sleep(hold)
+        if engine.seconds_until_admission():  # dynamic batching waits for a fuller batch
+            engine.wait_for_admission(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)) if nxt < n else None)
             continue
         before = engine.counters.steps
         outputs = engine.step()

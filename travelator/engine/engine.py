@@ -335,6 +335,13 @@ class LLMEngine:
         batching); a step before then does nothing. None when it does not hold."""
         return self.scheduler.seconds_until_admission()
 
+    def wait_for_admission(self, at_most_s: float | None = None) -> None:
+        """Sleep while the scheduler holds its waiting requests back, at most ``at_most_s``:
+        for a caller that steps the engine itself and adds no request meanwhile (the
+        server's step loop waits on its command queue instead)."""
+        if hold := self.seconds_until_admission():
+            time.sleep(hold if at_most_s is None else min(hold, at_most_s))
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -44,7 +44,7 @@ class DynamicScheduler(StaticScheduler):
     """
 
     def _batch_ready(self) -> bool:
-        return bool(self.waiting) and self.seconds_until_admission() == 0.0
+        return self.seconds_until_admission() == 0.0
 
     def seconds_until_admission(self) -> float | None:
         if self.running or not self.waiting:
