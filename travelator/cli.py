@@ -50,11 +50,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.step_timeout is not None:
         settings.step_timeout_s = args.step_timeout
     settings.validate()
-    llm = LLM(model, **engine_kwargs(args))
-    app = build_app(AsyncEngine(llm.engine), settings)
+    if args.disaggregate is not None:
+        from travelator.disagg.frontend import DisaggConfig, DisaggregatedEngine
+        from travelator.engine_args import engine_config
+
+        disagg = DisaggConfig.parse(args.disaggregate)
+        disagg.threads_per_worker = args.worker_threads
+        async_engine = DisaggregatedEngine(engine_config(model, **engine_kwargs(args)), disagg)
+        layout = f"; {disagg.num_prefill} prefill and {disagg.num_decode} decode workers"
+    else:
+        async_engine = AsyncEngine(LLM(model, **engine_kwargs(args)).engine)
+        layout = ""
+    app = build_app(async_engine, settings)
     auth = "API key required" if settings.api_key else "no API key (use --api-key to require one)"
     print(f"serving {', '.join(settings.served_model_names)} on http://{args.host}:{args.port}/v1 "
-          f"(context {llm.engine.max_model_len} tokens; {auth})", file=sys.stderr, flush=True)
+          f"(context {async_engine.engine.max_model_len} tokens{layout}; {auth})", file=sys.stderr, flush=True)
     return run_server(app, args.host, args.port, log_level=args.log_level.lower(),
                       access_log=args.access_log)
 
@@ -121,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--step-timeout", type=float, default=None,
                      help="seconds after which a step that has not returned marks the engine stuck "
                           "(503 on /health, server exits 1); also TRAVELATOR_STEP_TIMEOUT_S")
+    srv.add_argument("--disaggregate", default=None, metavar="P:D",
+                     help="prefill/decode disaggregation: P prefill and D decode worker processes, each "
+                          "with its own engine and KV pool; the KV of each prompt moves from a prefill "
+                          "to a decode worker over gloo (e.g. 1:2; default: one engine)")
+    srv.add_argument("--worker-threads", type=int, default=None,
+                     help="with --disaggregate: torch threads per worker (default: the cores shared out)")
     srv.set_defaults(func=cmd_serve)
 
     exp = sub.add_parser("export-tokenizer",

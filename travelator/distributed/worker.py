@@ -103,7 +103,7 @@ class Worker:
         return os.getpid()
 
 
-def _watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int) -> None:
     """Exit when the engine process that launched us is gone (no orphans)."""
     while True:
         if os.getppid() != parent_pid:
@@ -122,7 +122,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
     parent = os.environ.get("TRAVELATOR_TP_PARENT_PID")
     if parent:  # launched by the engine on this machine
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-        threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(int(parent),), daemon=True).start()
     threads = os.environ.get("TRAVELATOR_TP_THREADS")
     if threads:
         torch.set_num_threads(int(threads))

@@ -75,6 +75,8 @@ class AsyncEngine:
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
         # Called once on the step thread when the loop dies, with the exception; must be quick.
         self.death_listeners: list[Callable[[BaseException], None]] = []
+        # Prometheus collectors of figures beyond the engine's own (none here).
+        self.metric_collectors: tuple = ()
         # time.monotonic() when the step now running began; None between steps.
         self.step_started: float | None = None
         self._death_lock = threading.Lock()
@@ -93,6 +95,12 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def degraded(self) -> str | None:
+        """What is missing while the engine still serves: never anything for one engine (a
+        disaggregated server's front end can lose a worker and go on)."""
+        return None
 
     @property
     def num_in_flight(self) -> int:

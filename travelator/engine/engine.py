@@ -3,7 +3,6 @@ flat batch, sample, update requests, detokenise, and report what changed."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -21,10 +20,10 @@ from travelator.engine.kv_cache import KVCacheManager, blocks_for
 from travelator.engine.kv_handoff import KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
+from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
-from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.model.device import pick_device, resolve_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams
@@ -32,7 +31,7 @@ from travelator.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # Share of free memory the KV pool takes when the user gives no size.
-_DEFAULT_KV_MEMORY_SHARE = 0.3
+DEFAULT_KV_MEMORY_SHARE = 0.3
 
 
 @dataclass(slots=True)
@@ -105,11 +104,12 @@ class LLMEngine:
             namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}",
         )
         self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
+        self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                       self.eos_token_ids, self.grammars)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
         self._phase_times = {"schedule": 0.0, "update+detokenize": 0.0}
-        self._ids = itertools.count()
         logger.info(
             "model %s (%s, %.1fM parameters, %s) on %s; KV pool %d blocks x %d tokens; context %d",
             self.model_name, self.arch.family, self.arch.num_parameters / 1e6, dtype,
@@ -155,7 +155,7 @@ class LLMEngine:
             num_blocks = cache.kv_cache_bytes // per_block
         else:
             wanted = self.config.scheduler.max_num_seqs * blocks_for(self.max_model_len, block_size)
-            affordable = int(_free_memory_bytes(self.device) * _DEFAULT_KV_MEMORY_SHARE) // per_block
+            affordable = int(free_memory_bytes(self.device) * DEFAULT_KV_MEMORY_SHARE) // per_block
             num_blocks = max(min(wanted, affordable), blocks_for(self.max_model_len, block_size))
         if num_blocks < 1:
             raise ValueError("the KV cache size is too small for even one block")
@@ -173,7 +173,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def make_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
+        return self.requests.make_request_id()
 
     def make_request(
         self,
@@ -183,52 +183,8 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate and tokenise; changes no engine state, so any thread may call it.
-
-        Raises InvalidRequestError (a ValueError) naming the field at fault on bad input.
-        ``cache_salt`` keeps the request's prefix-cache blocks apart from requests with
-        another salt (or none).
-        """
-        params = params or SamplingParams()
-        params.validate()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty", "prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.arch.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens, but the context is {self.max_model_len} tokens "
-                f"and at least one must be left for the output", "prompt")
-        room = self.max_model_len - n
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
-                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens",
-                "max_tokens")
-        if params.structured is not None:
-            # Compiled here, on the caller's thread, so the step finds it ready (a lookup
-            # when the server compiled it already).
-            self.grammars.compile(params.structured)
-        return Request(
-            request_id=request_id or self.make_request_id(),
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            cache_salt=cache_salt,
-        )
+        """Validate and tokenise (``RequestFactory.make_request``); changes no engine state."""
+        return self.requests.make_request(prompt, params, request_id, priority, cache_salt)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by make_request (on the thread that steps the engine)."""
@@ -494,7 +450,7 @@ class LLMEngine:
         return outputs
 
 
-def _free_memory_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free

@@ -276,6 +276,8 @@ def _add_operator_routes(app: FastAPI, serving: OpenAIServing, require_api_key) 
                                  f"(limit {settings.step_timeout_s} s)", code="engine_stuck").response()
         if serving.draining:
             return APIError(503, "the server is shutting down", code="shutting_down").response()
+        if (degraded := async_engine.degraded) is not None:  # still serving, with less
+            return JSONResponse({"status": "degraded", "detail": degraded})
         return JSONResponse({"status": "ok"})
 
     if settings.enable_debug_endpoints:

@@ -105,6 +105,8 @@ class ServerMetrics:
         gauge("kv_cache_cached_blocks", "KV blocks holding a reusable prefix (in use or free).",
               lambda: engine.kv.num_cached_blocks)
         reg.register(_EngineCounters(engine, name))
+        for collector in async_engine.metric_collectors:
+            reg.register(collector)
 
         self._batch_size = Histogram(f"{_PREFIX}_batch_size", "Requests scheduled per step.", lbl,
                                      buckets=_POW2, registry=reg).labels(name)

@@ -1,0 +1,9 @@
+"""Disaggregated prefill and decode (DistServe): prefill workers and decode workers in
+separate processes, each with its own engine and KV pool; a front end routes requests and
+the KV of each prompt moves from the prefill worker to a decode worker over gloo.
+
+- ``placement.py``: which workers get a request; holding it back when no decode pool has room.
+- ``messages.py``: what the front end and the workers tell each other.
+- ``worker.py``: the worker processes.
+- ``frontend.py``: ``DisaggregatedEngine``, what the HTTP server drives in place of ``AsyncEngine``.
+"""

@@ -1,0 +1,639 @@
+"""The front end of a disaggregated server: ``DisaggregatedEngine`` stands where the
+single-engine server has its ``AsyncEngine`` (the same methods), and drives worker processes.
+
+A request's life here (``Route``): it waits in the front end until some decode worker has room
+for its KV (``Placement``; this is the backpressure: nothing is dropped, the request waits
+before its prefill); then ``Expect`` goes to that decode worker and ``Submit`` to the least
+loaded prefill worker. The prefill worker's output is the first token: the client gets it at
+once, marked unfinished. The decode worker's outputs follow, their text after the first
+token's. Every piece of state lives on the event loop's thread; two threads only pass what
+they see to it: the workers' reports, and processes that exited.
+
+A worker that dies fails only the requests it held (``finish_reason="error"``, saying which
+worker); the others go on, ``degraded`` says what is missing (``/health`` shows it). When no
+worker of a role is left, the engine is dead, as a single engine whose loop stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from travelator.config import EngineConfig
+from travelator.disagg import messages as m
+from travelator.disagg.placement import Placement
+from travelator.disagg.worker import WorkerSpec, run_worker
+from travelator.engine.async_engine import EngineDeadError
+from travelator.engine.engine import DEFAULT_KV_MEMORY_SHARE, EngineCounters, StepStats, free_memory_bytes
+from travelator.engine.grammar_compiler import GrammarCompiler
+from travelator.engine.kv_cache import blocks_for
+from travelator.engine.outputs import RequestOutput
+from travelator.engine.request import Request, RequestTimes
+from travelator.engine.request_factory import RequestFactory
+from travelator.model.device import pick_device
+from travelator.model.loader import open_model
+from travelator.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DisaggConfig:
+    num_prefill: int = 1
+    num_decode: int = 1
+    threads_per_worker: int | None = None  # default: this machine's cores shared out
+    start_timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("a disaggregated server needs at least one prefill and one decode worker")
+
+    @classmethod
+    def parse(cls, text: str) -> "DisaggConfig":
+        """``"P:D"``, e.g. ``"1:1"``: P prefill and D decode workers."""
+        try:
+            p, d = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"--disaggregate takes PREFILL:DECODE worker counts, e.g. 1:1; got {text!r}") from None
+        cfg = cls(p, d)
+        cfg.validate()
+        return cfg
+
+
+@dataclass(slots=True)
+class PoolTotals:
+    """The KV pools of the live workers, added up (what the server's gauges read)."""
+
+    num_blocks: int = 0
+    num_used_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    stats: "PrefixTotals" = field(default_factory=lambda: PrefixTotals())
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(slots=True)
+class PrefixTotals:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class FrontEngine:
+    """What the HTTP layer reads of "the engine": the tokenizer and request validation (no
+    model is loaded here), and the workers' state added up."""
+
+    def __init__(self, config: EngineConfig, workers: "DisaggregatedEngine", max_model_len: int) -> None:
+        source = open_model(config.model.model, config.model.load_format)
+        self.model_name = source.name
+        self.arch = source.arch
+        self.tokenizer = source.tokenizer
+        self.max_model_len = max_model_len
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
+        self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, max_model_len, eos, self.grammars)
+        self._workers = workers
+
+    def make_request(self, prompt, params=None, request_id=None, priority=0, cache_salt=None) -> Request:
+        return self.requests.make_request(prompt, params, request_id, priority, cache_salt)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.running for s in self._workers.live_stats())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._workers.waiting) + sum(s.waiting + s.pending_handoffs for s in self._workers.live_stats())
+
+    @property
+    def counters(self) -> EngineCounters:
+        c = EngineCounters(finished=dict(self._workers.finished))
+        for worker, s in self._workers.stats.items():
+            w = s.counters
+            if worker.role == m.PREFILL:  # a decode worker counts a handed-off prompt again
+                c.prompt_tokens += w["prompt_tokens"]
+            c.computed_prompt_tokens += w["computed_prompt_tokens"]
+            c.generation_tokens += w["generation_tokens"]
+            c.preemptions += w["preemptions"]
+            c.steps += w["steps"]
+        return c
+
+    @property
+    def kv(self) -> PoolTotals:
+        t = PoolTotals()
+        for s in self._workers.live_stats():
+            t.num_blocks += s.total_blocks
+            t.num_used_blocks += s.used_blocks
+            t.num_free_blocks += s.free_blocks
+            t.num_cached_blocks += s.cached_blocks
+            t.stats.queried_tokens += s.prefix_queried_tokens
+            t.stats.hit_tokens += s.prefix_hit_tokens
+        return t
+
+
+@dataclass(slots=True)
+class Route:
+    request: Request
+    stage: str  # "waiting", "prefill" or "decode"
+    prefill: int | None = None
+    decode: int | None = None  # None: it ends at its first token
+    client_gone: bool = False
+    first_text: str = ""  # the prefill worker's text: the decode worker's follows it
+    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+    prompt_logprobs: list | None = None  # computed by the prefill worker
+    times: RequestTimes | None = None
+
+
+class DisaggregatedEngine:
+    """Start the workers (returns once every one is ready) and serve through them."""
+
+    def __init__(self, config: EngineConfig, disagg: DisaggConfig) -> None:
+        disagg.validate()
+        config.validate()
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("--disaggregate runs each worker on one rank (tensor_parallel_size 1)")
+        if config.scheduler.speculative_method == "draft":
+            raise ValueError("--disaggregate does not move a draft model's cache: use ngram speculation or none")
+        if config.cache.num_kv_blocks is None and config.cache.kv_cache_bytes is None:
+            # Each engine would take its default share of free memory for itself: share it out.
+            workers = disagg.num_prefill + disagg.num_decode
+            config = dataclasses.replace(config, cache=dataclasses.replace(
+                config.cache, kv_cache_bytes=int(free_memory_bytes(pick_device(config.model.device))
+                                                 * DEFAULT_KV_MEMORY_SHARE) // workers))
+        self.config = config
+        self.disagg = disagg
+        self.workers = [m.WorkerId(m.PREFILL, i) for i in range(disagg.num_prefill)] + \
+                       [m.WorkerId(m.DECODE, i) for i in range(disagg.num_decode)]
+        self.stats: dict[m.WorkerId, m.WorkerStats] = {}
+        self.dead: dict[m.WorkerId, str] = {}
+        self.finished: dict[str, int] = {}  # client-visible finish reasons
+        self.routes: dict[str, Route] = {}
+        self.waiting: deque[str] = deque()
+        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        self.death_listeners: list[Callable[[BaseException], None]] = []
+        self.error: BaseException | None = None
+        self.metric_collectors = (self,)  # per-role figures, registered by the server's metrics
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._accepting = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._checks: dict[int, tuple[asyncio.Future, dict[m.WorkerId, dict]]] = {}
+        self._check_ids = itertools.count()
+        self._stopped = threading.Event()
+        ctx = multiprocessing.get_context("spawn")
+        self._events = ctx.Queue()
+        self._commands = {w: ctx.Queue() for w in self.workers}
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=disagg.start_timeout_s))
+        threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.workers))
+        self.processes: dict[m.WorkerId, multiprocessing.Process] = {}
+        for w in self.workers:
+            spec = WorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill, disagg.num_decode,
+                              threads, os.getpid(), disagg.start_timeout_s)
+            proc = ctx.Process(target=run_worker, args=(spec, self._commands[w], self._events),
+                               name=f"travelator-{w.role}-{w.index}", daemon=True)
+            proc.start()
+            self.processes[w] = proc
+        try:
+            ready = self._wait_ready(disagg.start_timeout_s)
+        except BaseException:
+            self.stop(1.0)
+            raise
+        block_sizes = {r.block_size for r in ready.values()}
+        self.block_size = block_sizes.pop()
+        self.pids = {w: r.pid for w, r in ready.items()}
+        self.placement = Placement(disagg.num_prefill,
+                                   [ready[m.WorkerId(m.DECODE, i)].num_blocks for i in range(disagg.num_decode)])
+        self.engine = FrontEngine(config, self, min(r.max_model_len for r in ready.values()))
+
+    def _wait_ready(self, timeout_s: float) -> dict[m.WorkerId, m.Ready]:
+        ready: dict[m.WorkerId, m.Ready] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < len(self.workers):
+            for w, proc in self.processes.items():
+                if not proc.is_alive() and w not in ready:
+                    raise RuntimeError(f"the {w} exited with code {proc.exitcode} before it was ready")
+            try:
+                ev = self._events.get(timeout=0.5)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the workers were not ready in {timeout_s} s") from None
+                continue
+            if isinstance(ev, m.Died):
+                raise RuntimeError(f"the {ev.worker} failed to start: {ev.error}")
+            if isinstance(ev, m.Ready):
+                ready[ev.worker] = ev
+        return ready
+
+    # ---- lifecycle (as AsyncEngine) ----------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read_events, name="travelator-disagg-events", daemon=True).start()
+        threading.Thread(target=self._watch_processes, name="travelator-disagg-watch", daemon=True).start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        for w, proc in self.processes.items():
+            if proc.is_alive():
+                self._commands[w].put(m.STOP)
+        deadline = time.monotonic() + timeout
+        for proc in self.processes.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        self._events.put(None)  # ends the reader thread
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._loop is not None and not self._stopped.is_set()
+
+    @property
+    def degraded(self) -> str | None:
+        """What is missing while the server still serves (None: nothing)."""
+        if not self.dead:
+            return None
+        return "; ".join(f"{w} died ({why})" for w, why in self.dead.items())
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def step_running_for(self) -> float:
+        return 0.0  # each worker has its own loop; a stuck worker is seen by its silence
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def live_stats(self) -> list[m.WorkerStats]:
+        return [s for w, s in self.stats.items() if w not in self.dead]
+
+    def declare_dead(self, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = exc
+        for rid in list(self._streams):
+            self._push(rid, exc)
+        for listener in self.death_listeners:
+            try:
+                listener(exc)
+            except Exception:  # noqa: BLE001
+                logger.exception("a death listener failed")
+
+    # ---- requests (as AsyncEngine) -----------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> tuple[Request, asyncio.Queue]:
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
+        if params.structured is not None:
+            raise ValueError("structured outputs are not supported with --disaggregate: the grammar's "
+                             "state does not move with the KV")
+        req = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
+        rid = req.request_id
+        if rid in self._streams or rid in self.routes:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = stream
+        self.routes[rid] = Route(req, "waiting", times=RequestTimes(arrival=req.times.arrival))
+        self.waiting.append(rid)
+        self._dispatch()
+        return req, stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine has stopped: {item!r}")
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return
+        route = self.routes.get(request_id)
+        if route is None:
+            return
+        route.client_gone = True
+        if route.stage == "waiting":
+            self.waiting.remove(request_id)
+            self._close(request_id)
+            return
+        if route.decode is not None:  # a KV on its way there is dropped when it comes
+            self._send(m.WorkerId(m.DECODE, route.decode), m.Abort(request_id))
+        if route.stage == "prefill":  # closed when the prefill worker's last output comes
+            self._send(m.WorkerId(m.PREFILL, route.prefill), m.Abort(request_id))
+        else:  # the decode worker lets go of it by itself, whatever stage it is at there
+            self._close(request_id)
+
+    def abort_all(self) -> None:
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    # ---- placement ------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Send waiting requests on, first come first served, while a decode worker has room."""
+        while self.waiting:
+            route = self.routes[self.waiting[0]]
+            req = route.request
+            prefill = self.placement.choose_prefill()
+            if prefill is None:
+                return
+            decode = None
+            if req.max_tokens > 1:
+                need = blocks_for(req.num_prompt_tokens + 1, self.block_size)
+                decode = self.placement.choose_decode(need)
+                if decode is None:
+                    return  # backpressure: it waits for a decode worker's report
+                self.placement.promise(decode, req.request_id, need)
+                self._send(m.WorkerId(m.DECODE, decode),
+                           m.Expect(req.request_id, req.sampling_params, req.priority, prefill))
+            self.waiting.popleft()
+            route.stage, route.prefill, route.decode = "prefill", prefill, decode
+            self.placement.prefill_sent(prefill, req.request_id, req.num_prompt_tokens)
+            self._send(m.WorkerId(m.PREFILL, prefill),
+                       m.Submit(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority,
+                                req.cache_salt, decode))
+
+    def _send(self, worker: m.WorkerId, command) -> None:
+        if worker not in self.dead:
+            self._commands[worker].put(command)
+
+    # ---- what the workers report (on the event loop) --------------------------------------
+    def _read_events(self) -> None:
+        while True:
+            try:
+                ev = self._events.get()
+            except (EOFError, OSError):
+                return
+            if ev is None:
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._on_event, ev)
+            except RuntimeError:  # the event loop is closed
+                return
+
+    def _on_event(self, ev) -> None:
+        if isinstance(ev, m.Report):
+            self._on_report(ev)
+        elif isinstance(ev, m.CheckReport):
+            entry = self._checks.get(ev.token)
+            if entry is not None:
+                fut, reports = entry
+                reports[ev.worker] = ev.report
+                if not fut.done() and all(w in reports or w in self.dead for w in self.workers):
+                    fut.set_result(None)
+        elif isinstance(ev, m.Died):
+            self._on_death(ev.worker, ev.error.splitlines()[0])
+
+    def _on_report(self, rep: m.Report) -> None:
+        w = rep.worker
+        if w in self.dead:
+            return
+        self.stats[w] = rep.stats
+        if w.role == m.DECODE:
+            self.placement.report(w.index, rep.stats.free_blocks, rep.stats.running)
+            for rid in rep.admitted:
+                self.placement.release(w.index, rid)
+        handed_off = set(rep.handed_off)
+        delivered = []
+        for out in rep.outputs:
+            route = self.routes.get(out.request_id)
+            if route is None:
+                continue  # closed already (failed elsewhere, or an abort's echo)
+            if w.role == m.PREFILL:
+                out = self._from_prefill(route, out, out.request_id in handed_off)
+            else:
+                out = self._from_decode(route, out)
+            if out is not None:
+                delivered.append(out)
+                self._push(out.request_id, out)
+        for rid, why in rep.failed.items():
+            if (route := self.routes.get(rid)) is not None:
+                self._fail(route, f"{w}: {why}")
+        if rep.step is not None:
+            self._notify_step(rep.step, delivered)
+        self._dispatch()
+
+    def _from_prefill(self, route: Route, out: RequestOutput, handed_off: bool) -> RequestOutput | None:
+        rid = out.request_id
+        self._merge_times(route, out)
+        if not out.finished:
+            return None if route.client_gone else out
+        self.placement.prefill_done(route.prefill, rid)
+        route.num_cached_tokens = out.num_cached_tokens
+        route.prompt_logprobs = out.prompt_logprobs
+        if handed_off:
+            route.stage, route.first_text = "decode", out.text
+            out.finished, out.finish_reason = False, None
+            if route.client_gone:  # the decode worker drops the KV when it comes
+                self._close(rid)
+                return None
+            return out
+        if route.decode is not None:  # no KV will come: it ended at its first token
+            self._send(m.WorkerId(m.DECODE, route.decode), m.Forget(rid))
+        self._close(rid)
+        return None if route.client_gone else self._finished(out)
+
+    def _from_decode(self, route: Route, out: RequestOutput) -> RequestOutput | None:
+        if route.stage != "decode":
+            return None
+        out.text = route.first_text + out.text
+        out.num_cached_tokens = route.num_cached_tokens
+        out.prompt_logprobs = route.prompt_logprobs
+        self._merge_times(route, out)
+        if out.finished:
+            self._close(out.request_id)
+            return None if route.client_gone else self._finished(out)
+        return None if route.client_gone else out
+
+    @staticmethod
+    def _merge_times(route: Route, out: RequestOutput) -> None:
+        """One request's moments across the two workers (one machine: one monotonic clock)."""
+        t, w = route.times, out.times
+        if w is not None:
+            t.queued = t.queued or w.queued
+            t.first_scheduled = t.first_scheduled or w.first_scheduled
+            t.first_token = t.first_token or w.first_token
+            t.last_token = w.last_token or t.last_token
+            t.finished = w.finished if out.finished else None
+        out.times = dataclasses.replace(t)
+
+    def _finished(self, out: RequestOutput) -> RequestOutput:
+        reason = out.finish_reason or "stop"
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        return out
+
+    def _fail(self, route: Route, why: str) -> None:
+        """End a request with an error and tell the workers that may hold it to let go."""
+        req = route.request
+        rid = req.request_id
+        if route.stage == "prefill" and route.prefill is not None:
+            self._send(m.WorkerId(m.PREFILL, route.prefill), m.Abort(rid))
+            self.placement.prefill_done(route.prefill, rid)
+        if route.decode is not None:
+            self._send(m.WorkerId(m.DECODE, route.decode), m.Forget(rid))
+        if route.stage == "waiting":
+            self.waiting.remove(rid)
+        self._close(rid)
+        if not route.client_gone:
+            out = RequestOutput(rid, req.prompt_token_ids, [], route.first_text, finished=True,
+                                finish_reason="error", error=why, times=dataclasses.replace(route.times))
+            self._push(rid, self._finished(out))
+
+    def _close(self, request_id: str) -> None:
+        route = self.routes.pop(request_id, None)
+        if route is not None and route.decode is not None:
+            self.placement.release(route.decode, request_id)
+
+    def _push(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+        stream.put_nowait(item)
+
+    def _notify_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        for listener in self.step_listeners:
+            try:
+                listener(stats, outputs)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+                logger.exception("a step listener failed")
+
+    # ---- faults ---------------------------------------------------------------------------
+    def _watch_processes(self) -> None:
+        sentinels = {proc.sentinel: w for w, proc in self.processes.items()}
+        while sentinels and not self._stopped.is_set():
+            for s in multiprocessing.connection.wait(list(sentinels), timeout=1.0):
+                w = sentinels.pop(s)
+                if self._stopped.is_set():
+                    return
+                code = self.processes[w].exitcode
+                try:
+                    self._loop.call_soon_threadsafe(self._on_death, w, f"exit code {code}")
+                except RuntimeError:
+                    return
+
+    def _on_death(self, worker: m.WorkerId, why: str) -> None:
+        if worker in self.dead or self._stopped.is_set():
+            return
+        logger.error("the %s died (%s): failing its requests", worker, why)
+        self.dead[worker] = why
+        self.placement.mark_dead(worker.role, worker.index)
+        for route in list(self.routes.values()):
+            held = (route.prefill == worker.index and route.stage == "prefill") if worker.role == m.PREFILL \
+                else route.decode == worker.index
+            if held:
+                if worker.role == m.DECODE:
+                    route.decode = None  # nothing to tell a dead worker
+                self._fail(route, f"the {worker} died ({why})")
+        for token, (fut, reports) in self._checks.items():
+            if not fut.done() and all(w in reports or w in self.dead for w in self.workers):
+                fut.set_result(None)
+        if not self.placement.alive(m.PREFILL) or not self.placement.alive(m.DECODE):
+            self.declare_dead(EngineDeadError(f"no {worker.role} worker is left: {self.degraded}"))
+        else:
+            self._dispatch()
+
+    # ---- self-check -----------------------------------------------------------------------
+    async def self_check(self, timeout: float = 30.0) -> dict:
+        """Every live worker's ``engine_self_check`` and the front end's own maps, in the shape
+        of the single engine's report (KV and requests added up over the live workers)."""
+        token = next(self._check_ids)
+        fut = asyncio.get_running_loop().create_future()
+        reports: dict[m.WorkerId, dict] = {}
+        self._checks[token] = (fut, reports)
+        for w in self.workers:
+            self._send(w, m.Check(token))
+        if all(w in self.dead for w in self.workers):
+            fut.set_result(None)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"workers did not answer the self-check in {timeout} s: "
+                               f"{[str(w) for w in self.workers if w not in reports and w not in self.dead]}") from None
+        finally:
+            self._checks.pop(token, None)
+        return self._combine(reports)
+
+    def _combine(self, reports: dict[m.WorkerId, dict]) -> dict:
+        problems = [f"{w}: {p}" for w, r in reports.items() for p in r["problems"]]
+        kv_keys = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "leaked_blocks")
+        kv = {k: sum(r["kv"][k] for r in reports.values()) for k in kv_keys}
+        kv["block_size"] = self.block_size
+        kv["free_plus_used_equals_total"] = all(r["kv"]["free_plus_used_equals_total"] for r in reports.values())
+        kv["owners"] = {f"{w}: {rid}": n for w, r in reports.items() for rid, n in r["kv"]["owners"].items()}
+        bad = [f"{w}: {r['kv']['consistency']}" for w, r in reports.items() if r["kv"]["consistency"] != "ok"]
+        kv["consistency"] = "ok" if not bad else "; ".join(bad)
+        req_keys = ("running", "waiting", "unfinished")
+        requests = {k: sum(r["requests"][k] for r in reports.values()) for k in req_keys}
+        requests["waiting"] += len(self.waiting)
+        for k in ("running_ids", "waiting_ids"):
+            requests[k] = [i for r in reports.values() for i in r["requests"][k]]
+        requests["waiting_ids"] += list(self.waiting)
+        idle = all(r["idle"] for r in reports.values()) and not self.routes and not self._streams
+        return {
+            "ok": not problems, "problems": problems, "idle": idle, "kv": kv, "requests": requests,
+            "detokenizers": sum(r["detokenizers"] for r in reports.values()),
+            "healthy": self.healthy, "error": None if self.error is None else repr(self.error),
+            "degraded": self.degraded, "streams": len(self._streams), "routes": len(self.routes),
+            "step_running_for_s": 0.0,
+            "workers": {str(w): {"pid": self.pids[w], "alive": w not in self.dead, **reports.get(w, {})}
+                        for w in self.workers},
+        }
+
+    # ---- per-role metrics (a prometheus collector) ---------------------------------------
+    def collect(self):
+        labels = ["role", "index"]
+
+        def family(kind, name: str, doc: str, value):
+            fam = kind(f"travelator_disagg_{name}", doc, labels=labels)
+            for w in self.workers:
+                s = self.stats.get(w)
+                fam.add_metric([w.role, str(w.index)], value(w, s))
+            return fam
+
+        yield family(GaugeMetricFamily, "worker_alive", "1 while the worker runs.",
+                     lambda w, s: 0.0 if w in self.dead else 1.0)
+        yield family(GaugeMetricFamily, "worker_running", "Requests in the worker's running batch.",
+                     lambda w, s: s.running if s else 0)
+        yield family(GaugeMetricFamily, "worker_waiting", "Requests waiting in the worker (hand-offs waiting "
+                     "for room included).", lambda w, s: (s.waiting + s.pending_handoffs) if s else 0)
+        yield family(GaugeMetricFamily, "worker_kv_cache_usage", "Share of the worker's KV blocks in use.",
+                     lambda w, s: s.used_blocks / s.total_blocks if s and s.total_blocks else 0.0)
+        yield family(CounterMetricFamily, "kv_transfers", "KV hand-offs sent (prefill) or received (decode).",
+                     lambda w, s: s.transfers if s else 0)
+        yield family(CounterMetricFamily, "kv_transfer_bytes", "Bytes of KV sent (prefill) or received (decode).",
+                     lambda w, s: s.transfer_bytes if s else 0)
+        yield family(CounterMetricFamily, "kv_transfer_seconds", "Seconds spent moving KV, from the first byte.",
+                     lambda w, s: s.transfer_seconds if s else 0.0)
+        waiting = GaugeMetricFamily("travelator_disagg_front_waiting",
+                                    "Requests the front end holds back until a decode worker has room.")
+        waiting.add_metric([], len(self.waiting))
+        yield waiting
