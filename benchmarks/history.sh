@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The history of LLM batching in one command (docs/history.md): static (FasterTransformer),
-# dynamic (Triton), Orca's iteration-level scheduling with whole prompts, and chunked
-# prefill (Sarathi-Serve), on the same random-weight ~50M Llama, kernels and workload.
+# dynamic (Triton), Orca's iteration-level scheduling with whole prompts, chunked prefill
+# (Sarathi-Serve) and disaggregated prefill/decode (DistServe), on the same random-weight
+# ~50M Llama, kernels and workload.
 #
-#   1. bench compare: the four modes over a sweep of Poisson request rates (Orca's experiment);
-#   2. bench interference: steady decodes while 1,536-token prompts arrive.
+#   1. bench compare: the four batching modes over a sweep of Poisson request rates (Orca's
+#      experiment);
+#   2. bench interference: steady decodes while 1,536-token prompts arrive, the four modes and
+#      disaggregation (one prefill and one decode worker process, a core each).
 #
 # About 10 minutes on a quiet 2-core CPU. Writes the tables (*.txt), JSON and PNGs to
 # $HISTORY_OUT (default docs/history); its last lines are the ratios. Quote its figures only
@@ -37,10 +40,10 @@ ENGINE=(--model "$MODEL" --dtype bfloat16 --max-num-seqs 16 --max-model-len 2048
   --batching static dynamic orca iteration \
   --num-decodes 8 --decode-prompt-len 32 --decode-output-len 384 \
   --num-long 6 --long-prompt-len 1536 --long-output-len 8 --first-long-at 0.5 --long-every 0.5 \
-  --repeats 2 --output-dir "$OUT" --no-progress | tee "$OUT/interference.txt"
+  --disaggregate 1:1 --repeats 2 --output-dir "$OUT" --no-progress | tee "$OUT/interference.txt"
 
 echo "run time: $(( $(date +%s) - start )) s; 1-minute load average at the end: $(cut -d' ' -f1 /proc/loadavg)"
 echo
 echo "The ratios:"
 grep "^Throughput ratio" "$OUT/compare.txt" | grep -e "vs static batching" -e "vs dynamic batching"
-tail -n 1 "$OUT/interference.txt"
+grep -e "^p99 time between tokens" -e "^disaggregated vs chunked" "$OUT/interference.txt"

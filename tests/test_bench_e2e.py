@@ -178,3 +178,25 @@ def test_bench_interference_reports_every_mode(tmp_path, capsys):
     assert all(len(report["traces"][m]["tbt_ms"]) == 3 * 23 for m in report["modes"])
     for name in ("tbt_cdf.png", "step_timeline.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_interference_runs_the_disaggregated_fifth_mode(tmp_path, capsys):
+    import multiprocessing
+
+    out = tmp_path / "intf"
+    rc = main(["interference", "--model", str(STORIES), "--max-num-seqs", "8", "--max-model-len", "256",
+               "--num-kv-blocks", "64", "--max-num-batched-tokens", "32", "--num-decodes", "3",
+               "--decode-output-len", "24", "--num-long", "2", "--long-prompt-len", "100",
+               "--first-long-at", "0.01", "--long-every", "0.01", "--batching", "orca", "iteration",
+               "--disaggregate", "1:1", "--output-dir", str(out), "--no-progress"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("disaggregated vs chunked prefill: p99 TBT")
+    report = json.loads((out / "interference.json").read_text())
+    assert report["modes"] == ["orca", "iteration", "disaggregated"]
+    row = {r["mode"]: r for r in report["results"]}["disaggregated"]
+    assert row["failed"] == 0
+    # Every request with more than one output token handed its KV over (3 decodes, 2 long prompts).
+    assert row["kv_transfer_mb"] > 0 and row["kv_transfer_ms"] > 0
+    assert len(report["traces"]["disaggregated"]["tbt_ms"]) == 3 * 23
+    assert not multiprocessing.active_children()  # the workers were stopped

@@ -21,7 +21,11 @@ import pytest
 from paths import STORIES, needs_stories
 
 from travelator import LLM, SamplingParams
+from travelator.disagg import messages as m
 from travelator.disagg.placement import Placement
+from travelator.disagg.router import Router
+from travelator.engine.outputs import RequestOutput
+from travelator.engine.request import Request
 from travelator.server.process import ServerProcess, free_port, serve_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +61,77 @@ def test_placement_prefers_room_then_holds_back():
     assert p.choose_prefill() == 1
     p.mark_dead("prefill", 1)
     assert p.choose_prefill() == 0 and p.alive("prefill") == 1 and p.alive("decode") == 1
+
+
+# ---- the router, by hand ---------------------------------------------------------------------
+def _router(decode_blocks=(8,), block_size=4):
+    sent, pushed = [], []
+    router = Router(Placement(1, list(decode_blocks)), block_size, lambda w, c: sent.append((str(w), c)),
+                    lambda rid, o: pushed.append(o))
+    return router, sent, pushed
+
+
+def _request(rid: str, prompt_len: int = 6, max_tokens: int = 3) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)),
+                   sampling_params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
+                   eos_token_ids=frozenset())
+
+
+def _stats(free_blocks: int = 8, running: int = 0) -> m.WorkerStats:
+    return m.WorkerStats(free_blocks=free_blocks, used_blocks=0, total_blocks=8, cached_blocks=0,
+                         running=running, waiting=0, counters={})
+
+
+def _out(rid: str, tokens: list[int], finished: bool, reason: str | None = None, text: str = "") -> RequestOutput:
+    return RequestOutput(rid, [1], tokens, text, new_token_ids=tokens[-1:], finished=finished,
+                         finish_reason=reason)
+
+
+PREFILL0, DECODE0 = m.WorkerId(m.PREFILL, 0), m.WorkerId(m.DECODE, 0)
+
+
+def test_router_passes_decode_outputs_that_overtook_the_first_token_after_it():
+    router, sent, pushed = _router()
+    router.add(_request("A"))
+    assert [(w, type(c).__name__) for w, c in sent] == [("decode worker 0", "Expect"), ("prefill worker 0", "Submit")]
+    # The decode worker's report (the last token) comes before the prefill worker's.
+    router.on_report(m.Report(DECODE0, [_out("A", [7, 8], False), _out("A", [7, 8, 9], True, "length")],
+                              _stats(), admitted=["A"]))
+    assert pushed == []
+    router.on_report(m.Report(PREFILL0, [_out("A", [7], True, "length", "x")], _stats(), handed_off=["A"]))
+    assert [(o.output_token_ids, o.finished, o.finish_reason) for o in pushed] == [
+        ([7], False, None), ([7, 8], False, None), ([7, 8, 9], True, "length")]
+    assert not router.routes and not router.placement.decode[0].promised
+
+
+def test_router_holds_requests_back_until_a_decode_pool_has_room():
+    router, sent, _ = _router(decode_blocks=(4,), block_size=4)
+    router.add(_request("A", prompt_len=10))  # 11 tokens of KV: 3 blocks promised
+    router.add(_request("B", prompt_len=10))  # 3 more do not fit in the 1 left
+    assert list(router.waiting) == ["B"] and [c.request_id for _, c in sent] == ["A", "A"]
+    router.on_report(m.Report(DECODE0, [], _stats(free_blocks=1, running=1), admitted=["A"]))
+    assert list(router.waiting) == ["B"]  # A holds its blocks now; still no room
+    router.on_report(m.Report(DECODE0, [_out("A", [5, 6, 7], True, "length")], _stats(free_blocks=4)))
+    assert not router.waiting and [c.request_id for _, c in sent][-2:] == ["B", "B"]
+
+
+def test_router_abort_during_prefill_and_a_dead_decode_worker():
+    router, sent, pushed = _router(decode_blocks=(8, 8))
+    router.add(_request("A"))
+    router.add(_request("B"))  # the other decode worker (most room)
+    assert router.routes["A"].decode == 0 and router.routes["B"].decode == 1
+    sent.clear()
+    router.abort("A")  # the client left while A is at its prefill
+    assert {(w, type(c).__name__) for w, c in sent} == {("decode worker 0", "Abort"), ("prefill worker 0", "Abort")}
+    router.on_report(m.Report(PREFILL0, [_out("A", [], True, "abort")], _stats()))
+    assert ("decode worker 0", "Forget") in [(w, type(c).__name__) for w, c in sent[-1:]]
+    assert "A" not in router.routes and pushed == []
+    # B's first token went out, then its decode worker dies: B fails, naming it.
+    router.on_report(m.Report(PREFILL0, [_out("B", [4], True, "length")], _stats(), handed_off=["B"]))
+    router.on_death(m.WorkerId(m.DECODE, 1), "exit code -9")
+    assert [(o.finish_reason, o.error) for o in pushed] == [
+        (None, None), ("error", "the decode worker 1 died (exit code -9)")]
+    assert not router.routes and router.placement.choose_decode(1) == 0
 
 
 # ---- the server ----------------------------------------------------------------------------

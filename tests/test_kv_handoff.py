@@ -178,3 +178,19 @@ def test_a_failed_read_fails_that_request_and_frees_its_blocks():
     assert [o.finish_reason for o in last].count("error") == 1
     assert sum(o.handoff is not None for o in last) == 1
     assert prefill.kv.num_used_blocks == 0
+
+
+def test_a_stop_string_that_begins_in_the_first_token_is_found_after_the_hand_off():
+    """The greedy text goes on ", there was a little girl named Lily": the stop string ", th"
+    begins in the prefill engine's token (",") and ends in the decode engine's. The prefill
+    engine holds the "," back; the decode engine finds the stop, as one engine would."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop=[", th"])
+    ref = LLM(str(STORIES), **ENGINE).generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert (ref.text, ref.finish_reason) == ("", "stop")  # the case this test is about
+    prefill, decode = LLM(str(STORIES), **ENGINE).engine, LLM(str(STORIES), **ENGINE).engine
+    rid = prefill.add_request("Once upon a time", params, hand_off=True).request_id
+    first = run(prefill)[rid][-1]
+    assert first.handoff is not None and first.text == ""  # "," held back, not released
+    decode.add_handoff(first.handoff, params)
+    last = run(decode)[rid][-1]
+    assert (last.text, last.finish_reason, last.stop_reason) == ("", "stop", ", th")

@@ -193,3 +193,29 @@ def test_whole_prompts_count_prefix_cache_hits_against_the_budget():
     arrivals = [Arrival(0, "A", prompt, 1), Arrival(3, "C", [1, 2], 2), Arrival(3, "B", prompt + [7, 8], 2)]
     res = simulate(make_scheduler("orca", 100, 4, max_num_seqs=8, budget=16, prefix_caching=True), arrivals)
     assert res.first_scheduled["C"] == res.first_scheduled["B"] == 3
+
+
+def test_waiting_requests_holding_blocks_cannot_deadlock_the_pool():
+    """Two handed-off requests (``LLMEngine.add_handoff``: blocks written, then queued) of 8
+    prompt tokens fill a pool of 4 blocks of 4 tokens; each needs a fifth block for its next
+    token, and nothing runs. The latest gives its blocks up and will recompute; the other decodes at once."""
+    from travelator.engine.request import Request, RequestStatus
+    from travelator.sampling_params import SamplingParams
+
+    sched = make_scheduler("iteration", 4, 4, max_num_seqs=4, budget=64)
+    handed = []
+    for rid in ("A", "B"):
+        req = Request(request_id=rid, prompt_token_ids=list(range(1, 9)), sampling_params=SamplingParams(),
+                      max_tokens=4, eos_token_ids=frozenset())
+        req.output_token_ids = [9]  # the first token, sampled by the prefill engine
+        assert sched.kv.allocate_slots(req, 8) is not None  # the prompt's KV: 2 full blocks
+        req.num_computed_tokens = 8
+        sched.add_request(req)
+        handed.append(req)
+    assert sched.kv.num_free_blocks == 0
+    out = sched.schedule()
+    a, b = handed
+    assert out.num_scheduled_tokens == {"A": 1} and out.num_preempted == 1
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert sched.kv.block_ids("B") == [] and len(sched.kv.block_ids("A")) == 3
+    assert [r.request_id for r in sched.running] == ["A"] and [r.request_id for r in sched.waiting] == ["B"]

@@ -42,6 +42,22 @@ def test_short_soak_loses_nothing(capsys):
     assert result.completed > result.sent // 2
 
 
+def test_disaggregated_soak_survives_a_killed_decode_worker(capsys):
+    """The same chaos on ``serve --disaggregate 1:2``, and one decode worker SIGKILLed a third of
+    the way in: only its requests fail, and the survivors hold no block once idle."""
+    result = run_soak(SoakConfig(model=str(STORIES), requests=300, seed=2, time_limit_s=200,
+                                 disaggregate="1:2", kill_decode_worker_after=100))
+    line = result.line()
+    with capsys.disabled():
+        print("\n" + line)
+    assert result.ok, "\n".join(result.failures[:20])
+    assert result.killed_worker == "decode worker 1"
+    assert result.leaked_blocks == 0 and result.server_errors_5xx == 0
+    assert result.disconnected > 0 and result.rejected_503 > 0 and result.preemptions > 0
+    assert (result.completed + result.disconnected + result.rejected_503 + result.invalid_4xx + result.killed
+            == result.sent)
+
+
 @contextlib.contextmanager
 def live_server(llm: LLM, **settings):
     app = build_app(AsyncEngine(llm.engine), ServerSettings(**settings))

@@ -98,7 +98,9 @@ class CacheConfig:
         "exact KV pool size in blocks (wins over --kv-cache-gb)")] = None
     kv_cache_bytes: Annotated[int | None, Setting(
         "KV pool size in bytes; in GiB on the command line (default: max_num_seqs full contexts, "
-        "at most 30% of free memory)", flag="--kv-cache-gb", cli_unit=("GiB", 1 << 30))] = None
+        "at most kv_memory_share of free memory)", flag="--kv-cache-gb", cli_unit=("GiB", 1 << 30))] = None
+    kv_memory_share: Annotated[float, Setting(
+        "share of free memory the KV pool may take when its size is not given")] = 0.3
     kv_cache_dtype: Annotated[DType, Setting("dtype of the KV cache (auto: the model's)")] = "auto"
     enable_prefix_caching: Annotated[bool, Setting(
         "turn automatic prefix caching off", flag="--no-prefix-caching")] = True
@@ -111,6 +113,8 @@ class CacheConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be positive")
+        if not 0 < self.kv_memory_share <= 1:
+            raise ValueError("kv_memory_share must be in (0, 1]")
 
 
 @dataclass(slots=True)

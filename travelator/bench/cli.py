@@ -296,6 +296,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 # ---- bench interference ---------------------------------------------------------------
 def cmd_interference(args: argparse.Namespace) -> int:
     from travelator.bench.interference import InterferenceSetup, run_interference, table
+    from travelator.disagg.frontend import DisaggConfig
 
     setup = InterferenceSetup(
         num_decodes=args.num_decodes, decode_prompt_len=args.decode_prompt_len,
@@ -305,7 +306,8 @@ def cmd_interference(args: argparse.Namespace) -> int:
     report = run_interference(
         resolve_model(args), engine_kwargs(args), setup,
         modes=args.batching_modes, repeats=args.repeats, output_dir=args.output_dir, progress=not args.no_progress,
-        log=lambda s: print(s, file=sys.stderr))
+        log=lambda s: print(s, file=sys.stderr),
+        disaggregate=None if args.disaggregate is None else DisaggConfig.parse(args.disaggregate))
     print(table(report["results"]))
     if args.repeats > 1:
         print(f"medians over the {args.repeats} runs of each mode:")
@@ -423,6 +425,9 @@ def add_bench_parser(subparsers) -> None:
     g.add_argument("--long-every", type=float, default=0.5, help="seconds between long prompts")
     g = it.add_argument_group("run")
     g.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved")
+    g.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="also run the fifth mode: P prefill and D decode worker processes (chunked "
+                        "prefill in each), the cores shared out between them; e.g. 1:1")
     g.add_argument("--output-dir", default="bench-results")
     g.add_argument("--no-progress", action="store_true")
     it.set_defaults(func=cmd_interference)

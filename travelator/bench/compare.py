@@ -31,7 +31,8 @@ DEFAULT_MODES = ("static", "iteration")
 MODE_ALIASES = {"chunked": "iteration"}  # Sarathi-Serve's name for what the engine calls iteration
 LABELS = {"static": "static batching", "dynamic": "dynamic batching",
           "orca": "Orca (iteration-level, whole prompts)",
-          "iteration": "iteration-level, chunked prefill"}
+          "iteration": "iteration-level, chunked prefill",
+          "disaggregated": "disaggregated prefill/decode (DistServe)"}
 
 
 def parse_modes(names: list[str]) -> list[str]:
@@ -263,7 +264,8 @@ def pyplot():
 MODE_STYLE = {"static": dict(color="tab:red", marker="s", label=LABELS["static"]),
           "dynamic": dict(color="tab:orange", marker="D", label=LABELS["dynamic"]),
           "orca": dict(color="tab:green", marker="^", label=LABELS["orca"]),
-          "iteration": dict(color="tab:blue", marker="o", label=LABELS["iteration"])}
+          "iteration": dict(color="tab:blue", marker="o", label=LABELS["iteration"]),
+          "disaggregated": dict(color="tab:purple", marker="v", label=LABELS["disaggregated"])}
 
 
 def plot_latency_vs_throughput(rows: list[dict], modes: list[str], target: float, path: Path,

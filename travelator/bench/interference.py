@@ -10,6 +10,9 @@ requests on the same arrival times, with the same model, kernels and token budge
   budget: the decodes keep producing a token every step, each step a little longer.
 - Static and dynamic batching never let the long prompt into the running batch: the
   decodes are undisturbed, and the long prompt waits for the whole batch to finish.
+- Disaggregation (DistServe, ``disaggregate``): the long prompt runs on a prefill worker, the
+  decodes on a decode worker, each its own process; only the KV moves. The cores are shared
+  out between the workers (one thread each on two cores).
 
 Per mode: p50/p99 time between tokens (TBT) of the steady decodes, the longest gap, TTFT
 of the long prompts, output throughput. Plots: the TBT distribution (CDF) per mode, and a
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,10 +31,14 @@ import numpy as np
 
 from travelator.bench.compare import LABELS, MODE_STYLE, jsonable, model_summary, parse_modes, plot_title, pyplot
 from travelator.bench.metrics import format_table
-from travelator.bench.runner import RunResult, run_engine, warm_up
+from travelator.bench.runner import RunResult, run_engine, run_served, warm_up
 from travelator.bench.workloads import decodes_and_long_prompts
+from travelator.disagg.frontend import DisaggConfig, DisaggregatedEngine
+from travelator.disagg.worker import IDLE_REPORT_S
+from travelator.engine_args import engine_config
 
 DEFAULT_MODES = ("static", "dynamic", "orca", "iteration")
+DISAGGREGATED = "disaggregated"  # the fifth mode: not a batching mode of one engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +81,8 @@ TABLE_COLUMNS = [
     ("steps", "num_steps", "{:d}"),
     ("max tokens/step", "max_step_tokens", "{:d}"),
     ("load avg", "load_avg_end", "{:.1f}"),
+    ("KV moved (MB)", "kv_transfer_mb", "{:.1f}"),
+    ("KV send (ms)", "kv_transfer_ms", "{:.0f}"),
 ]
 
 
@@ -100,18 +110,38 @@ def interference_metrics(run: RunResult, num_decodes: int) -> dict:
 
 
 def ratio_line(summary: dict[str, dict]) -> str | None:
-    """Chunked prefill against whole prompts: their p99 time between tokens."""
-    if "iteration" not in summary or "orca" not in summary:
-        return None
-    chunked, whole = summary["iteration"]["tbt_p99_ms"], summary["orca"]["tbt_p99_ms"]
-    return (f"p99 time between tokens of the running decodes: chunked prefill {chunked:.1f} ms vs "
-            f"whole prompts (Orca) {whole:.1f} ms -> {chunked / whole:.2f}x "
-            f"(whole-prompt stalls make it {whole / chunked:.1f}x longer)")
+    """Chunked prefill against whole prompts: their p99 time between tokens; and
+    disaggregation against chunked prefill, when it ran."""
+    lines = []
+    if "iteration" in summary and "orca" in summary:
+        chunked, whole = summary["iteration"]["tbt_p99_ms"], summary["orca"]["tbt_p99_ms"]
+        lines.append(f"p99 time between tokens of the running decodes: chunked prefill {chunked:.1f} ms vs "
+                     f"whole prompts (Orca) {whole:.1f} ms -> {chunked / whole:.2f}x "
+                     f"(whole-prompt stalls make it {whole / chunked:.1f}x longer)")
+    if DISAGGREGATED in summary and "iteration" in summary:
+        d, c = summary[DISAGGREGATED], summary["iteration"]
+        lines.append(f"disaggregated vs chunked prefill: p99 TBT {d['tbt_p99_ms']:.1f} vs {c['tbt_p99_ms']:.1f} ms "
+                     f"({d['tbt_p99_ms'] / c['tbt_p99_ms']:.2f}x), long-prompt TTFT median "
+                     f"{d['long_ttft_median_ms']:.0f} vs {c['long_ttft_median_ms']:.0f} ms, output "
+                     f"{d['output_throughput']:.1f} vs {c['output_throughput']:.1f} tok/s "
+                     f"({d['output_throughput'] / c['output_throughput']:.2f}x)")
+    return "\n".join(lines) or None
+
+
+def _transfer_totals(engine) -> tuple[int, float]:
+    """Bytes and seconds of KV the prefill workers have sent so far. Called at rest: their
+    send threads finish after the step that handed off, so wait for a report from after them."""
+    time.sleep(2 * IDLE_REPORT_S)
+    sent = [s for w, s in engine.stats.items() if w.role == "prefill"]
+    return sum(s.transfer_bytes for s in sent), sum(s.transfer_seconds for s in sent)
 
 
 def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, *,
                      modes: list[str] | tuple[str, ...] = DEFAULT_MODES, repeats: int = 1,
-                     output_dir: str | Path = "bench-results", progress: bool = True, log=print) -> dict:
+                     output_dir: str | Path = "bench-results", progress: bool = True, log=print,
+                     disaggregate: DisaggConfig | None = None) -> dict:
+    """``disaggregate``: also run the fifth mode, prefill and decode workers in their own
+    processes (chunked prefill in each), sharing this machine's cores."""
     from travelator import LLM
 
     if repeats < 1:
@@ -126,6 +156,14 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
         warm_up(engines[mode])
         warm_up(engines[mode], num_requests=1, prompt_len=setup.long_prompt_len, output_len=2)
     eng0 = engines[modes[-1]]
+    if disaggregate is not None:
+        served = DisaggregatedEngine(engine_config(model, **dict(engine_kwargs, batching="iteration")), disaggregate)
+        engines[DISAGGREGATED] = served
+        warm = decodes_and_long_prompts(vocab_size=eng0.arch.vocab_size, num_decodes=2, decode_prompt_len=16,
+                                        decode_output_len=4, num_long=1, long_prompt_len=setup.long_prompt_len,
+                                        long_output_len=2, seed=12345)
+        run_served(served, warm, progress=False)
+        modes = modes + [DISAGGREGATED]
     vocab = eng0.arch.vocab_size
     arrivals = setup.arrivals()
     rows: list[dict] = []
@@ -137,8 +175,17 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
             decode_output_len=setup.decode_output_len, num_long=setup.num_long,
             long_prompt_len=setup.long_prompt_len, long_output_len=setup.long_output_len, seed=rep)
         for mode in (modes if rep % 2 == 0 else modes[::-1]):
-            run = run_engine(engines[mode], work, arrivals, progress=progress, desc=f"{mode} rep {rep}")
+            if mode == DISAGGREGATED:
+                before = _transfer_totals(engines[mode])
+                run = run_served(engines[mode], work, arrivals, progress=progress, desc=f"{mode} rep {rep}")
+                moved, seconds = (a - b for a, b in zip(_transfer_totals(engines[mode]), before))
+            else:
+                run = run_engine(engines[mode], work, arrivals, progress=progress, desc=f"{mode} rep {rep}")
             row = {"mode": mode, "rep": rep, **interference_metrics(run, setup.num_decodes)}
+            if mode == DISAGGREGATED:  # the KV the prefill workers sent, and their time sending it
+                row.update(kv_transfer_mb=moved / 1e6, kv_transfer_ms=seconds * 1000)
+                log(f"  {mode} rep {rep}: {moved / 1e6:.1f} MB of KV moved in {seconds * 1000:.0f} ms "
+                    f"of sending (by the prefill workers' send threads)")
             rows.append(row)
             if rep == 0:
                 traces[mode] = {
@@ -151,6 +198,9 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
     summary = {mode: _medians([r for r in rows if r["mode"] == mode]) for mode in modes}
     model_info = model_summary(model, eng0)
     budget = eng0.config.scheduler.max_num_batched_tokens
+    if DISAGGREGATED in engines:
+        engines[DISAGGREGATED].stop()
+        model_info["disaggregated"] = f"{disaggregate.num_prefill} prefill + {disaggregate.num_decode} decode workers"
     del engines, eng0
     gc.collect()
     line = ratio_line(summary)

@@ -1,4 +1,6 @@
-"""Drive an LLMEngine directly with a workload: all at once, or on an arrival schedule.
+"""Drive an LLMEngine directly with a workload: all at once, or on an arrival schedule
+(``run_engine``); or an engine that steps itself, through its async interface
+(``run_served``: the disaggregated server's front end).
 
 Offline runs have no HTTP in the way, so they measure the engine and its scheduler
 alone. A request is added when its arrival time has passed on the wall clock (checked
@@ -8,6 +10,7 @@ intended arrival time, so the time it waits for a running step to end counts.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -169,3 +172,54 @@ def _load_1m() -> float:
         return os.getloadavg()[0]
     except OSError:
         return float("nan")
+
+
+def run_served(engine, workload: Workload, arrivals=None, *, progress: bool = True,
+               desc: str = "requests") -> RunResult:
+    """``run_engine`` for an engine with ``AsyncEngine``'s interface (``generate``, step
+    listeners), which steps by itself: each request is added at its arrival time and its
+    tokens are timed as they come out of ``generate``; steps are those the listeners hear of."""
+    return asyncio.run(_run_served(engine, workload, arrivals, progress, desc))
+
+
+async def _run_served(engine, workload: Workload, arrivals, progress: bool, desc: str) -> RunResult:
+    n = len(workload)
+    arrivals = np.zeros(n) if arrivals is None else np.asarray(arrivals, dtype=float)
+    if len(arrivals) != n or (n and np.any(np.diff(arrivals) < 0)):
+        raise ValueError("one arrival time per request, sorted")
+    engine.start()
+    results = [RequestResult(r.prompt_len, r.output_len, float(a))
+               for r, a in zip(workload.requests, arrivals)]
+    steps: list[StepRecord] = []
+    bar = tqdm(total=n, desc=desc, unit="req", disable=not progress, leave=False)
+    load_start = _load_1m()
+    t0 = time.perf_counter()
+
+    def on_step(stats: StepStats, outputs) -> None:
+        steps.append(StepRecord(time.perf_counter() - t0, stats))
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - t0)))
+        spec, r = workload.requests[i], results[i]
+        try:
+            async for out in engine.generate(spec.prompt_token_ids, sampling_params_for(spec.output_len)):
+                t = time.perf_counter() - t0
+                r.token_times.extend([t] * len(out.new_token_ids))
+                if out.finished:
+                    r.end = t
+                    r.output_len = len(out.output_token_ids)
+                    r.success = out.finish_reason in ("length", "stop") and out.error is None
+                    if not r.success:
+                        r.error = out.error or f"finish_reason={out.finish_reason}"
+        except ValueError as e:
+            r.error, r.end = str(e), time.perf_counter() - t0
+        bar.update(1)
+
+    engine.step_listeners.append(on_step)
+    try:
+        await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        engine.step_listeners.remove(on_step)
+    duration = time.perf_counter() - t0
+    bar.close()
+    return RunResult(results, duration, steps, engine.config.scheduler.max_num_seqs, (load_start, _load_1m()))

@@ -1,13 +1,9 @@
 """The front end of a disaggregated server: ``DisaggregatedEngine`` stands where the
 single-engine server has its ``AsyncEngine`` (the same methods), and drives worker processes.
 
-A request's life here (``Route``): it waits in the front end until some decode worker has room
-for its KV (``Placement``; this is the backpressure: nothing is dropped, the request waits
-before its prefill); then ``Expect`` goes to that decode worker and ``Submit`` to the least
-loaded prefill worker. The prefill worker's output is the first token: the client gets it at
-once, marked unfinished. The decode worker's outputs follow, their text after the first
-token's. Every piece of state lives on the event loop's thread; two threads only pass what
-they see to it: the workers' reports, and processes that exited.
+It starts the workers (``worker.py``) and waits until each is ready; the requests' state machine
+is its ``Router`` (``router.py``). All that state lives on the event loop's thread; two threads
+only pass what they see to it: the workers' reports, and processes that exited.
 
 A worker that dies fails only the requests it held (``finish_reason="error"``, saying which
 worker); the others go on, ``degraded`` says what is missing (``/health`` shows it). When no
@@ -26,25 +22,23 @@ import multiprocessing.connection
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from travelator.config import EngineConfig
+from travelator.config import REQUEST_LEVEL_BATCHING, EngineConfig
 from travelator.disagg import messages as m
 from travelator.disagg.placement import Placement
+from travelator.disagg.router import Router
 from travelator.disagg.worker import WorkerSpec, run_worker
 from travelator.engine.async_engine import EngineDeadError
-from travelator.engine.engine import DEFAULT_KV_MEMORY_SHARE, EngineCounters, StepStats, free_memory_bytes
+from travelator.engine.engine import EngineCounters, StepStats
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.kv_cache import blocks_for
 from travelator.engine.outputs import RequestOutput
-from travelator.engine.request import Request, RequestTimes
+from travelator.engine.request import Request
 from travelator.engine.request_factory import RequestFactory
-from travelator.model.device import pick_device
 from travelator.model.loader import open_model
 from travelator.sampling_params import SamplingParams
 
@@ -119,11 +113,11 @@ class FrontEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._workers.waiting) + sum(s.waiting + s.pending_handoffs for s in self._workers.live_stats())
+        return len(self._workers.router.waiting) + sum(s.waiting + s.pending_handoffs for s in self._workers.live_stats())
 
     @property
     def counters(self) -> EngineCounters:
-        c = EngineCounters(finished=dict(self._workers.finished))
+        c = EngineCounters(finished=dict(self._workers.router.finished))
         for worker, s in self._workers.stats.items():
             w = s.counters
             if worker.role == m.PREFILL:  # a decode worker counts a handed-off prompt again
@@ -147,19 +141,6 @@ class FrontEngine:
         return t
 
 
-@dataclass(slots=True)
-class Route:
-    request: Request
-    stage: str  # "waiting", "prefill" or "decode"
-    prefill: int | None = None
-    decode: int | None = None  # None: it ends at its first token
-    client_gone: bool = False
-    first_text: str = ""  # the prefill worker's text: the decode worker's follows it
-    num_cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
-    prompt_logprobs: list | None = None  # computed by the prefill worker
-    times: RequestTimes | None = None
-
-
 class DisaggregatedEngine:
     """Start the workers (returns once every one is ready) and serve through them."""
 
@@ -168,23 +149,21 @@ class DisaggregatedEngine:
         config.validate()
         if config.parallel.tensor_parallel_size > 1:
             raise ValueError("--disaggregate runs each worker on one rank (tensor_parallel_size 1)")
+        if config.scheduler.batching in REQUEST_LEVEL_BATCHING:
+            raise ValueError(f"--disaggregate needs iteration-level batching (iteration or orca), not "
+                             f"{config.scheduler.batching}: a decode worker admits each request as its KV comes")
         if config.scheduler.speculative_method == "draft":
             raise ValueError("--disaggregate does not move a draft model's cache: use ngram speculation or none")
-        if config.cache.num_kv_blocks is None and config.cache.kv_cache_bytes is None:
-            # Each engine would take its default share of free memory for itself: share it out.
-            workers = disagg.num_prefill + disagg.num_decode
-            config = dataclasses.replace(config, cache=dataclasses.replace(
-                config.cache, kv_cache_bytes=int(free_memory_bytes(pick_device(config.model.device))
-                                                 * DEFAULT_KV_MEMORY_SHARE) // workers))
+        # Each worker's engine would take its share of free memory for itself: share it out.
+        workers = disagg.num_prefill + disagg.num_decode
+        config = dataclasses.replace(config, cache=dataclasses.replace(
+            config.cache, kv_memory_share=config.cache.kv_memory_share / workers))
         self.config = config
         self.disagg = disagg
         self.workers = [m.WorkerId(m.PREFILL, i) for i in range(disagg.num_prefill)] + \
                        [m.WorkerId(m.DECODE, i) for i in range(disagg.num_decode)]
         self.stats: dict[m.WorkerId, m.WorkerStats] = {}
         self.dead: dict[m.WorkerId, str] = {}
-        self.finished: dict[str, int] = {}  # client-visible finish reasons
-        self.routes: dict[str, Route] = {}
-        self.waiting: deque[str] = deque()
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
         self.death_listeners: list[Callable[[BaseException], None]] = []
         self.error: BaseException | None = None
@@ -217,8 +196,9 @@ class DisaggregatedEngine:
         block_sizes = {r.block_size for r in ready.values()}
         self.block_size = block_sizes.pop()
         self.pids = {w: r.pid for w, r in ready.items()}
-        self.placement = Placement(disagg.num_prefill,
-                                   [ready[m.WorkerId(m.DECODE, i)].num_blocks for i in range(disagg.num_decode)])
+        placement = Placement(disagg.num_prefill,
+                              [ready[m.WorkerId(m.DECODE, i)].num_blocks for i in range(disagg.num_decode)])
+        self.router = Router(placement, self.block_size, self._send, self._push)
         self.engine = FrontEngine(config, self, min(r.max_model_len for r in ready.values()))
 
     def _wait_ready(self, timeout_s: float) -> dict[m.WorkerId, m.Ready]:
@@ -242,9 +222,13 @@ class DisaggregatedEngine:
 
     # ---- lifecycle (as AsyncEngine) ----------------------------------------------------
     def start(self) -> None:
+        """Serve on the running event loop. Again on a later loop (a benchmark's next run): the
+        reports go there from then on."""
+        first = self._loop is None
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._read_events, name="travelator-disagg-events", daemon=True).start()
-        threading.Thread(target=self._watch_processes, name="travelator-disagg-watch", daemon=True).start()
+        if first:
+            threading.Thread(target=self._read_events, name="travelator-disagg-events", daemon=True).start()
+            threading.Thread(target=self._watch_processes, name="travelator-disagg-watch", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopped.set()
@@ -307,13 +291,11 @@ class DisaggregatedEngine:
                              "state does not move with the KV")
         req = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
         rid = req.request_id
-        if rid in self._streams or rid in self.routes:
+        if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
+        self.router.add(req)  # raises, changing nothing, for an id still in use
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream
-        self.routes[rid] = Route(req, "waiting", times=RequestTimes(arrival=req.times.arrival))
-        self.waiting.append(rid)
-        self._dispatch()
         return req, stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -334,51 +316,12 @@ class DisaggregatedEngine:
                 self.abort(req.request_id)
 
     def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is None:
-            return
-        route = self.routes.get(request_id)
-        if route is None:
-            return
-        route.client_gone = True
-        if route.stage == "waiting":
-            self.waiting.remove(request_id)
-            self._close(request_id)
-            return
-        if route.decode is not None:  # a KV on its way there is dropped when it comes
-            self._send(m.WorkerId(m.DECODE, route.decode), m.Abort(request_id))
-        if route.stage == "prefill":  # closed when the prefill worker's last output comes
-            self._send(m.WorkerId(m.PREFILL, route.prefill), m.Abort(request_id))
-        else:  # the decode worker lets go of it by itself, whatever stage it is at there
-            self._close(request_id)
+        if self._streams.pop(request_id, None) is not None:
+            self.router.abort(request_id)
 
     def abort_all(self) -> None:
         for rid in list(self._streams):
             self.abort(rid)
-
-    # ---- placement ------------------------------------------------------------------------
-    def _dispatch(self) -> None:
-        """Send waiting requests on, first come first served, while a decode worker has room."""
-        while self.waiting:
-            route = self.routes[self.waiting[0]]
-            req = route.request
-            prefill = self.placement.choose_prefill()
-            if prefill is None:
-                return
-            decode = None
-            if req.max_tokens > 1:
-                need = blocks_for(req.num_prompt_tokens + 1, self.block_size)
-                decode = self.placement.choose_decode(need)
-                if decode is None:
-                    return  # backpressure: it waits for a decode worker's report
-                self.placement.promise(decode, req.request_id, need)
-                self._send(m.WorkerId(m.DECODE, decode),
-                           m.Expect(req.request_id, req.sampling_params, req.priority, prefill))
-            self.waiting.popleft()
-            route.stage, route.prefill, route.decode = "prefill", prefill, decode
-            self.placement.prefill_sent(prefill, req.request_id, req.num_prompt_tokens)
-            self._send(m.WorkerId(m.PREFILL, prefill),
-                       m.Submit(req.request_id, req.prompt_token_ids, req.sampling_params, req.priority,
-                                req.cache_salt, decode))
 
     def _send(self, worker: m.WorkerId, command) -> None:
         if worker not in self.dead:
@@ -395,8 +338,8 @@ class DisaggregatedEngine:
                 return
             try:
                 self._loop.call_soon_threadsafe(self._on_event, ev)
-            except RuntimeError:  # the event loop is closed
-                return
+            except RuntimeError:  # that loop has closed (between a benchmark's runs): a report at rest
+                continue
 
     def _on_event(self, ev) -> None:
         if isinstance(ev, m.Report):
@@ -412,104 +355,12 @@ class DisaggregatedEngine:
             self._on_death(ev.worker, ev.error.splitlines()[0])
 
     def _on_report(self, rep: m.Report) -> None:
-        w = rep.worker
-        if w in self.dead:
+        if rep.worker in self.dead:
             return
-        self.stats[w] = rep.stats
-        if w.role == m.DECODE:
-            self.placement.report(w.index, rep.stats.free_blocks, rep.stats.running)
-            for rid in rep.admitted:
-                self.placement.release(w.index, rid)
-        handed_off = set(rep.handed_off)
-        delivered = []
-        for out in rep.outputs:
-            route = self.routes.get(out.request_id)
-            if route is None:
-                continue  # closed already (failed elsewhere, or an abort's echo)
-            if w.role == m.PREFILL:
-                out = self._from_prefill(route, out, out.request_id in handed_off)
-            else:
-                out = self._from_decode(route, out)
-            if out is not None:
-                delivered.append(out)
-                self._push(out.request_id, out)
-        for rid, why in rep.failed.items():
-            if (route := self.routes.get(rid)) is not None:
-                self._fail(route, f"{w}: {why}")
+        self.stats[rep.worker] = rep.stats
+        delivered = self.router.on_report(rep)
         if rep.step is not None:
             self._notify_step(rep.step, delivered)
-        self._dispatch()
-
-    def _from_prefill(self, route: Route, out: RequestOutput, handed_off: bool) -> RequestOutput | None:
-        rid = out.request_id
-        self._merge_times(route, out)
-        if not out.finished:
-            return None if route.client_gone else out
-        self.placement.prefill_done(route.prefill, rid)
-        route.num_cached_tokens = out.num_cached_tokens
-        route.prompt_logprobs = out.prompt_logprobs
-        if handed_off:
-            route.stage, route.first_text = "decode", out.text
-            out.finished, out.finish_reason = False, None
-            if route.client_gone:  # the decode worker drops the KV when it comes
-                self._close(rid)
-                return None
-            return out
-        if route.decode is not None:  # no KV will come: it ended at its first token
-            self._send(m.WorkerId(m.DECODE, route.decode), m.Forget(rid))
-        self._close(rid)
-        return None if route.client_gone else self._finished(out)
-
-    def _from_decode(self, route: Route, out: RequestOutput) -> RequestOutput | None:
-        if route.stage != "decode":
-            return None
-        out.text = route.first_text + out.text
-        out.num_cached_tokens = route.num_cached_tokens
-        out.prompt_logprobs = route.prompt_logprobs
-        self._merge_times(route, out)
-        if out.finished:
-            self._close(out.request_id)
-            return None if route.client_gone else self._finished(out)
-        return None if route.client_gone else out
-
-    @staticmethod
-    def _merge_times(route: Route, out: RequestOutput) -> None:
-        """One request's moments across the two workers (one machine: one monotonic clock)."""
-        t, w = route.times, out.times
-        if w is not None:
-            t.queued = t.queued or w.queued
-            t.first_scheduled = t.first_scheduled or w.first_scheduled
-            t.first_token = t.first_token or w.first_token
-            t.last_token = w.last_token or t.last_token
-            t.finished = w.finished if out.finished else None
-        out.times = dataclasses.replace(t)
-
-    def _finished(self, out: RequestOutput) -> RequestOutput:
-        reason = out.finish_reason or "stop"
-        self.finished[reason] = self.finished.get(reason, 0) + 1
-        return out
-
-    def _fail(self, route: Route, why: str) -> None:
-        """End a request with an error and tell the workers that may hold it to let go."""
-        req = route.request
-        rid = req.request_id
-        if route.stage == "prefill" and route.prefill is not None:
-            self._send(m.WorkerId(m.PREFILL, route.prefill), m.Abort(rid))
-            self.placement.prefill_done(route.prefill, rid)
-        if route.decode is not None:
-            self._send(m.WorkerId(m.DECODE, route.decode), m.Forget(rid))
-        if route.stage == "waiting":
-            self.waiting.remove(rid)
-        self._close(rid)
-        if not route.client_gone:
-            out = RequestOutput(rid, req.prompt_token_ids, [], route.first_text, finished=True,
-                                finish_reason="error", error=why, times=dataclasses.replace(route.times))
-            self._push(rid, self._finished(out))
-
-    def _close(self, request_id: str) -> None:
-        route = self.routes.pop(request_id, None)
-        if route is not None and route.decode is not None:
-            self.placement.release(route.decode, request_id)
 
     def _push(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -534,32 +385,25 @@ class DisaggregatedEngine:
                 w = sentinels.pop(s)
                 if self._stopped.is_set():
                     return
+                self.processes[w].join(1.0)  # reap it, for its exit code
                 code = self.processes[w].exitcode
                 try:
                     self._loop.call_soon_threadsafe(self._on_death, w, f"exit code {code}")
-                except RuntimeError:
-                    return
+                except RuntimeError:  # that loop has closed; the next start() sees it dead
+                    self.dead.setdefault(w, f"exit code {code}")
 
     def _on_death(self, worker: m.WorkerId, why: str) -> None:
         if worker in self.dead or self._stopped.is_set():
             return
         logger.error("the %s died (%s): failing its requests", worker, why)
         self.dead[worker] = why
-        self.placement.mark_dead(worker.role, worker.index)
-        for route in list(self.routes.values()):
-            held = (route.prefill == worker.index and route.stage == "prefill") if worker.role == m.PREFILL \
-                else route.decode == worker.index
-            if held:
-                if worker.role == m.DECODE:
-                    route.decode = None  # nothing to tell a dead worker
-                self._fail(route, f"the {worker} died ({why})")
-        for token, (fut, reports) in self._checks.items():
+        self.router.on_death(worker, why)
+        for fut, reports in self._checks.values():
             if not fut.done() and all(w in reports or w in self.dead for w in self.workers):
                 fut.set_result(None)
-        if not self.placement.alive(m.PREFILL) or not self.placement.alive(m.DECODE):
+        placement = self.router.placement
+        if not placement.alive(m.PREFILL) or not placement.alive(m.DECODE):
             self.declare_dead(EngineDeadError(f"no {worker.role} worker is left: {self.degraded}"))
-        else:
-            self._dispatch()
 
     # ---- self-check -----------------------------------------------------------------------
     async def self_check(self, timeout: float = 30.0) -> dict:
@@ -593,19 +437,30 @@ class DisaggregatedEngine:
         kv["consistency"] = "ok" if not bad else "; ".join(bad)
         req_keys = ("running", "waiting", "unfinished")
         requests = {k: sum(r["requests"][k] for r in reports.values()) for k in req_keys}
-        requests["waiting"] += len(self.waiting)
+        router = self.router
+        requests["waiting"] += len(router.waiting)
         for k in ("running_ids", "waiting_ids"):
             requests[k] = [i for r in reports.values() for i in r["requests"][k]]
-        requests["waiting_ids"] += list(self.waiting)
-        idle = all(r["idle"] for r in reports.values()) and not self.routes and not self._streams
+        requests["waiting_ids"] += list(router.waiting)
+        idle = all(r["idle"] for r in reports.values()) and not router.routes and not self._streams
         return {
             "ok": not problems, "problems": problems, "idle": idle, "kv": kv, "requests": requests,
             "detokenizers": sum(r["detokenizers"] for r in reports.values()),
             "healthy": self.healthy, "error": None if self.error is None else repr(self.error),
-            "degraded": self.degraded, "streams": len(self._streams), "routes": len(self.routes),
+            "degraded": self.degraded, "streams": len(self._streams), "routes": len(router.routes),
             "step_running_for_s": 0.0,
             "workers": {str(w): {"pid": self.pids[w], "alive": w not in self.dead, **reports.get(w, {})}
                         for w in self.workers},
+            "oldest_routes": [
+                {"id": rid, "stage": r.stage, "prefill": r.prefill, "decode": r.decode,
+                 "age_s": round(time.monotonic() - r.request.times.arrival, 1)}
+                for rid, r in sorted(router.routes.items(), key=lambda kv: kv[1].request.times.arrival)[:5]],
+            "placement": {
+                "prefill": [{"alive": p.alive, "pending": len(p.pending), "tokens": p.tokens}
+                            for p in router.placement.prefill],
+                "decode": [{"alive": d.alive, "free_blocks": d.free_blocks, "running": d.running,
+                            "promised": len(d.promised), "room": d.room} for d in router.placement.decode],
+            },
         }
 
     # ---- per-role metrics (a prometheus collector) ---------------------------------------
@@ -635,5 +490,5 @@ class DisaggregatedEngine:
                      lambda w, s: s.transfer_seconds if s else 0.0)
         waiting = GaugeMetricFamily("travelator_disagg_front_waiting",
                                     "Requests the front end holds back until a decode worker has room.")
-        waiting.add_metric([], len(self.waiting))
+        waiting.add_metric([], len(self.router.waiting))
         yield waiting

@@ -42,7 +42,7 @@ from travelator.engine.self_check import engine_self_check
 
 logger = logging.getLogger(__name__)
 
-_IDLE_REPORT_S = 1.0
+IDLE_REPORT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -138,7 +138,7 @@ class _WorkerLoop:
         last_report = time.monotonic()
         while True:
             busy = self.engine.has_unfinished_requests() or self.has_ready_work()
-            for item in self._take_inbox(wait_s=0.0 if busy else _IDLE_REPORT_S):
+            for item in self._take_inbox(wait_s=0.0 if busy else IDLE_REPORT_S):
                 if item == m.STOP:
                     return
                 self.handle(item)
@@ -148,10 +148,11 @@ class _WorkerLoop:
                 self._outputs += self.engine.step()
             stepped = self.engine.counters.steps != steps
             now = time.monotonic()
-            if stepped or self._outputs or self._failed or self.has_news() or now - last_report >= _IDLE_REPORT_S:
+            if stepped or self._outputs or self._failed or self.has_news() or now - last_report >= IDLE_REPORT_S:
                 report = self.report(self._outputs, self._failed)
                 report.step = self.engine.last_step if stepped else None
                 self.events.put(report)
+                self.after_report()
                 self._outputs, self._failed = [], {}
                 last_report = now
 
@@ -203,6 +204,9 @@ class _WorkerLoop:
     def has_news(self) -> bool:
         return False
 
+    def after_report(self) -> None:
+        pass
+
     def report(self, outputs: list[RequestOutput], failed: dict[str, str]) -> m.Report:
         raise NotImplementedError
 
@@ -217,6 +221,7 @@ class PrefillLoop(_WorkerLoop):
         super().__init__(spec, engine, inbox, events)
         self.targets: dict[str, int | None] = {}  # request id -> decode worker
         self.handed_off: list[str] = []
+        self.to_send: list[tuple[int, KVHandoff]] = []
         self.outboxes: list[queue.SimpleQueue] = []
         for d in range(spec.num_decode):
             channel = pair_channel(store, spec.worker.index, d, m.PREFILL, spec.connect_timeout_s)
@@ -249,12 +254,19 @@ class PrefillLoop(_WorkerLoop):
             decode = self.targets.pop(out.request_id, None)
             if out.handoff is not None:
                 handoff, out.handoff = out.handoff, None
-                self.outboxes[decode].put(handoff)
+                self.to_send.append((decode, handoff))
                 self.handed_off.append(out.request_id)
         for rid in failed:
             self.targets.pop(rid, None)
         handed_off, self.handed_off = self.handed_off, []
         return m.Report(self.worker, outputs, self.stats(), handed_off=handed_off, failed=failed)
+
+    def after_report(self) -> None:
+        # The KV goes after the report with the first token: the front end usually hears of
+        # that token before the decode worker's next ones (it copes when it does not).
+        for decode, handoff in self.to_send:
+            self.outboxes[decode].put(handoff)
+        self.to_send = []
 
     def local_state(self) -> dict[str, int]:
         return {"targets": len(self.targets)}

@@ -30,9 +30,6 @@ from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Share of free memory the KV pool takes when the user gives no size.
-DEFAULT_KV_MEMORY_SHARE = 0.3
-
 
 @dataclass(slots=True)
 class StepStats:
@@ -155,7 +152,7 @@ class LLMEngine:
             num_blocks = cache.kv_cache_bytes // per_block
         else:
             wanted = self.config.scheduler.max_num_seqs * blocks_for(self.max_model_len, block_size)
-            affordable = int(free_memory_bytes(self.device) * DEFAULT_KV_MEMORY_SHARE) // per_block
+            affordable = int(_free_memory_bytes(self.device) * cache.kv_memory_share) // per_block
             num_blocks = max(min(wanted, affordable), blocks_for(self.max_model_len, block_size))
         if num_blocks < 1:
             raise ValueError("the KV cache size is too small for even one block")
@@ -191,12 +188,17 @@ class LLMEngine:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         params = req.sampling_params
-        # A handed-off request's earlier tokens were streamed by the engine that sampled
-        # them: they are context here, and only the text after them is new.
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, prompt_token_ids=req.prompt_token_ids + req.output_token_ids,
+            params.skip_special_tokens, prompt_token_ids=req.prompt_token_ids,
         )
+        if req.output_token_ids:
+            # A handed-off request: its first tokens' text is replayed, so that a stop string
+            # that begins there is still found; what the engine that sampled them released
+            # (the same text: the same tokenizer and stop strings) is not released again.
+            detok.add_tokens(req.output_token_ids)
+            detok.take_delta()
+        self.detokenizers[req.request_id] = detok
         self.scheduler.add_request(req)
         self.counters.prompt_tokens += req.num_prompt_tokens
 
@@ -402,7 +404,12 @@ class LLMEngine:
     def _finish_output(self, req: Request, new_ids: list[int] | None = None,
                        logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         detok = self.detokenizers.pop(req.request_id)
-        delta = detok.take_delta() + detok.flush()
+        if req.hand_off and req.status == RequestStatus.FINISHED_LENGTH:
+            # Its text goes on in another engine: a tail that may begin a stop string is held
+            # back for that engine to release (or cut).
+            delta = detok.take_delta()
+        else:
+            delta = detok.take_delta() + detok.flush()
         reason = req.status.finish_reason
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         return self._output(req, new_ids or [], delta, logprobs or [], detok.output_text)
@@ -450,7 +457,7 @@ class LLMEngine:
         return outputs
 
 
-def free_memory_bytes(device: torch.device) -> int:
+def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free

@@ -360,7 +360,25 @@ class IterationScheduler(SchedulerBase):
         budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(out, budget)
+            while not out.num_scheduled_tokens and self._release_waiting_blocks(out):
+                self._admit_waiting(out, budget)
         return out
+
+    def _release_waiting_blocks(self, out: SchedulerOutput) -> bool:
+        """Nothing could be scheduled, and waiting requests hold blocks (handed-off KV,
+        ``LLMEngine.add_handoff``): without this the pool would stay full for ever. The
+        latest such request gives its blocks up and will recompute, as a preempted one."""
+        for req in reversed(self._waiting_order()):
+            if self.kv.block_ids(req.request_id):
+                self.kv.free(req.request_id)
+                req.status = RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                out.num_preempted += 1
+                self._forget_in_runner(req.request_id)
+                return True
+        return False
 
     def _waiting_order(self) -> list[Request]:
         return list(self.waiting)

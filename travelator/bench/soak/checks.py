@@ -13,6 +13,7 @@ VALID_FINISH = {"stop", "length"}
 
 class Outcome:
     COMPLETED, DISCONNECTED, REJECTED, INVALID, FAILED = "completed", "disconnected", "rejected", "invalid", "failed"
+    KILLED = "killed"  # failed with the worker the soak killed (disaggregated servers)
 
 
 def check_text(spec: Spec, text: str, finish: str, stop_reason) -> str | None:
@@ -141,6 +142,9 @@ def chaos_problems(cfg: SoakConfig, result: SoakResult, own_server: bool) -> lis
             problems.append("no burst was rejected with 503: the waiting-queue bound was never reached")
         if cfg.disconnect_rate > 0 and not result.disconnected:
             problems.append("no client disconnected")
+    if cfg.kill_decode_worker_after is not None and result.sent > cfg.kill_decode_worker_after:
+        if not result.killed_worker:
+            problems.append("no decode worker was killed")
     if result.server_errors_5xx:
         problems.append(f"{result.server_errors_5xx} answers were 5xx other than 503 "
                         f"(statuses: {dict(result.statuses)})")

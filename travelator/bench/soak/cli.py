@@ -38,6 +38,11 @@ def add_soak_parser(subparsers) -> None:
     g.add_argument("--max-waiting", type=int, default=d.max_waiting)
     g.add_argument("--server-threads", type=int, default=d.server_threads, help="torch threads of the server")
     g.add_argument("--server-log", default=None)
+    g.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="start the server with P prefill and D decode workers (serve --disaggregate)")
+    g.add_argument("--kill-decode-worker-after", type=int, default=None, metavar="N",
+                   help="with --disaggregate: SIGKILL one decode worker once N requests are sent; its "
+                        "requests must fail with a clear error, nothing else may")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_soak)
 
@@ -53,6 +58,7 @@ def cmd_soak(a: argparse.Namespace) -> int:
         require_chaos=False if a.no_require_chaos else None, num_kv_blocks=a.num_kv_blocks,
         block_size=a.block_size, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting, server_threads=a.server_threads, server_log=a.server_log, verbose=a.verbose,
+        disaggregate=a.disaggregate, kill_decode_worker_after=a.kill_decode_worker_after,
     )
     result = run_soak(cfg)
     for failure in result.failures[:50]:

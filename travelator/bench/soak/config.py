@@ -32,6 +32,8 @@ class SoakConfig:
     max_num_seqs: int = 8
     max_waiting: int = 32
     server_threads: int = 1
+    disaggregate: str | None = None  # "P:D": prefill and decode workers (serve --disaggregate)
+    kill_decode_worker_after: int | None = None  # requests sent before one decode worker is killed
     server_log: str | None = None  # where its log goes (default: a temporary file)
     verbose: bool = False
 
@@ -53,6 +55,9 @@ class SoakResult:
     latencies: list[float] = field(default_factory=list)
     duration_s: float = 0.0
     self_checks: int = 0  # self-checks passed while the load ran
+    killed_worker: str | None = None  # "decode worker N", once the soak has killed it
+    killed: int = 0  # requests that failed because they were on the killed worker
+    killed_choices: int = 0  # their engine requests (n choices, prompt batches)
     failures: list[str] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
 
@@ -73,5 +78,7 @@ class SoakResult:
                 f"rejected_503={self.rejected_503} invalid_4xx={self.invalid_4xx} "
                 f"preemptions={fmt(self.preemptions)} leaked_blocks={fmt(self.leaked_blocks)} "
                 f"5xx={self.server_errors_5xx} p50_latency_s={fmt(self.p(0.5))} "
-                f"p99_latency_s={fmt(self.p(0.99))} self_checks={self.self_checks} duration_s={self.duration_s:.1f} "
+                f"p99_latency_s={fmt(self.p(0.99))} "
+                + (f"killed_worker=\"{self.killed_worker}\" failed_with_it={self.killed} " if self.killed_worker else "")
+                + f"self_checks={self.self_checks} duration_s={self.duration_s:.1f} "
                 f"result={'PASS' if self.ok else f'FAIL({len(self.failures)})'}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 
@@ -33,6 +35,8 @@ def own_server(cfg: SoakConfig) -> ServerProcess:
         args += ["--model", cfg.model]
     if cfg.api_key:
         args += ["--api-key", cfg.api_key]
+    if cfg.disaggregate:
+        args += ["--disaggregate", cfg.disaggregate, "--worker-threads", str(cfg.server_threads)]
     threads = str(cfg.server_threads)
     env = {"TRAVELATOR_DEBUG_ENDPOINTS": "1", "OMP_NUM_THREADS": threads,
            "MKL_NUM_THREADS": threads, "TRAVELATOR_STEP_TIMEOUT_S": "60"}
@@ -142,6 +146,20 @@ async def _monitor(client: httpx.AsyncClient, result: SoakResult) -> None:
             return
 
 
+async def _kill_a_decode_worker(client: httpx.AsyncClient, result: SoakResult) -> None:
+    """SIGKILL the last decode worker of the disaggregated server this soak started (its pid
+    from /debug/engine): the requests it held must fail with a clear error, the rest go on."""
+    workers = (await client.get("/debug/engine")).json().get("workers") or {}
+    decode = sorted(name for name, w in workers.items() if name.startswith("decode") and w["alive"])
+    if len(decode) < 2:
+        result.failures.append(f"killing a decode worker needs two alive; the server has {decode}")
+        return
+    name = decode[-1]
+    result.killed_worker = name
+    os.kill(workers[name]["pid"], signal.SIGKILL)
+    print(f"soak: killed {name} (pid {workers[name]['pid']})", file=sys.stderr)
+
+
 async def _send_load(client: httpx.AsyncClient, cfg: SoakConfig, workload: Workload, burst: int,
                      result: SoakResult) -> None:
     """Regular clients, ``cfg.concurrency`` at a time, and every ``cfg.burst_every`` of them a
@@ -161,6 +179,9 @@ async def _send_load(client: httpx.AsyncClient, cfg: SoakConfig, workload: Workl
     while index < cfg.requests:
         if cfg.duration_s is not None and time.monotonic() - t0 > cfg.duration_s:
             break
+        if (cfg.kill_decode_worker_after is not None and index >= cfg.kill_decode_worker_after
+                and result.killed_worker is None):
+            await _kill_a_decode_worker(client, result)
         if burst and since_burst >= cfg.burst_every:
             since_burst = 0
             for _ in range(min(burst, cfg.requests - index)):
@@ -235,8 +256,10 @@ async def _check_at_rest(client: httpx.AsyncClient, cfg: SoakConfig, result: Soa
     error = 'finished_reason="error"'
     errors = ((_metric(after, "travelator_request_success_total", error) or 0)
               - (_metric(metrics_before, "travelator_request_success_total", error) or 0))
-    if errors:
-        result.failures.append(f"{errors:.0f} requests finished with an engine error")
+    # The only errors allowed: the killed worker's (an HTTP request's choices are engine requests).
+    if errors > result.killed_choices:
+        result.failures.append(f"{errors:.0f} engine requests finished with an error, more than the "
+                               f"{result.killed_choices} of the HTTP requests that failed with the killed worker")
     r = await client.get("/health")
     if r.status_code != 200:
         result.failures.append(f"/health is {r.status_code} after the run: {r.text[:200]}")

@@ -19,6 +19,10 @@ async def send(client: httpx.AsyncClient, spec: Spec, cfg: SoakConfig, result: S
     outcome, problem, status = await _send_inner(client, spec, cfg)
     elapsed = time.monotonic() - t0
     result.statuses[status] += 1
+    if outcome == Outcome.FAILED and result.killed_worker and f"{result.killed_worker} died" in (problem or ""):
+        result.killed += 1  # it was on the worker the soak killed: its error is the expected one
+        result.killed_choices += spec.choices
+        return Outcome.KILLED
     if isinstance(status, int) and status >= 500 and status != 503:
         result.server_errors_5xx += 1
     if outcome == Outcome.COMPLETED:
