@@ -5,8 +5,11 @@ its floor is the time to read those bytes from DRAM. This script measures both o
 machine, in one process: the median engine step of one request decoding (whole steps:
 schedule, prepare, forward, sample), and the median time to read a buffer of the same
 size with every thread (a float32 sum, which is memory-bound). Target: ratio <= 1.3.
+With several ``--quantization`` values, each runs in turn in this process (weights kept
+int8 / int4: fewer bytes to stream), and the last line gives their speed against the first.
 
     python benchmarks/batch1_decode.py --model dummy:llama-250m --dtype bfloat16
+    python benchmarks/batch1_decode.py --model dummy:llama-250m --quantization none int8 int4
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ from travelator import LLM, SamplingParams
 
 
 def weight_bytes_per_decode(model) -> int:
-    """Bytes of every weight a one-token step reads: all of them, the embedding only
-    once (as the LM head when tied, else not at all: one row of it is negligible)."""
+    """Bytes of every weight a one-token step reads (quantized ones as stored): all of them,
+    the embedding only once (as the LM head when tied, else not at all: one row of it is
+    negligible)."""
     embed = model.embed
-    total = 0
-    for p in model.parameters():
-        if p is embed and model.lm_head_weight is not embed:
-            continue
-        total += p.numel() * p.element_size()
+    total = model.weight_bytes()
+    if model.lm_head_weight is not embed:
+        total -= embed.numel() * embed.element_size()
     return total
 
 
@@ -51,10 +53,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
     args = ap.parse_args()
+    steps = {q: measure(args, q) for q in args.quantization}
+    base = args.quantization[0]
+    if len(steps) > 1:
+        print("batch-1 decode speed against " + base + ": "
+              + ", ".join(f"{q} {steps[base] / t:.2f}x" for q, t in steps.items() if q != base))
 
+
+def measure(args, quantization: str) -> float:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, kernels=args.kernels,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=quantization)
     engine = llm.engine
     engine.add_request([1] + list(range(3, 18)),
                        SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True))
@@ -67,10 +77,11 @@ def main() -> None:
     step = statistics.median(steps)
     nbytes = weight_bytes_per_decode(engine.runner.model)
     stream = stream_seconds(nbytes, repeats=15)
-    print(f"{args.model} {args.dtype} kernels={args.kernels}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.2f}: batch-1 decode step {step * 1e3:.1f} ms; "
-          f"reading the {nbytes / 1e6:.0f} MB of weights {stream * 1e3:.1f} ms "
-          f"({nbytes / stream / 1e9:.1f} GB/s); ratio {step / stream:.2f} (target <= 1.3)")
+    print(f"{args.model} {args.dtype} quantization={quantization} kernels={args.kernels}, "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}: batch-1 decode step "
+          f"{step * 1e3:.1f} ms; reading the {nbytes / 1e6:.0f} MB of weights {stream * 1e3:.1f} ms "
+          f"({nbytes / stream / 1e9:.1f} GB/s); ratio {step / stream:.2f} (target <= 1.3)", flush=True)
+    return step
 
 
 if __name__ == "__main__":

@@ -189,3 +189,19 @@ def test_tensor_parallel_two_ranks_is_invariant_too():
         llm.shutdown()
     for i in range(len(reqs)):
         assert batched[i] == alone_results[i], i
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_are_invariant_too(quantization):
+    """int8/int4 linear layers (torch's kernels) run in the mode's fixed tiles of rows too:
+    each request alone on the engine, then all of them together, bitwise the same. (On this
+    machine it passes without the tiles as well: these CPU kernels compute each row on its
+    own; the tiles make it hold wherever a kernel would not.)"""
+    reqs = mixed_batch(3)
+    llm = LLM(MODEL, dtype="bfloat16", batch_invariant=True, quantization=quantization,
+              quantization_group_size=32, enable_prefix_caching=False, max_num_seqs=8,
+              max_num_batched_tokens=100)
+    alone_results = [run(llm, [Req(0, r.prompt, r.max_tokens, r.seed)])[0] for r in reqs]
+    batched = run(llm, reqs)
+    for i in range(len(reqs)):
+        assert batched[i] == alone_results[i], i

@@ -21,6 +21,7 @@ SpeculativePolicy = Literal["adaptive", "fixed"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "dummy"]
 Kernels = Literal["auto", "native", "torch"]
+Quantization = Literal["auto", "none", "int8", "int4"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +84,21 @@ class ModelConfig:
         "native: travelator's C++ CPU kernels (paged attention in one call per layer, fused "
         "norms, SiLU and rope, pre-packed bf16 linear layers), built on first use; torch: "
         "plain torch; auto: native on the CPU where they build")] = "auto"
+    quantization: Annotated[Quantization, Setting(
+        "weights of the linear layers (QKV, output, gate/up, down) kept quantized on the CPU: int8 per "
+        "output channel, or int4 in groups of quantization_group_size inputs, quantized at load; "
+        "auto: a GGUF file's Q8_0 tensors stay int8 and its Q4_0/Q4_1 tensors int4, other "
+        "checkpoints stay as they are; none: everything dequantized")] = "auto"
+    quantization_group_size: Annotated[int, Setting(
+        "int4: inputs per group sharing a scale and a zero point (32, 64, 128 or 256)")] = 128
     batch_invariant: Annotated[bool, Setting(
         "a request's tokens and logprobs never depend on what else is in its step (linear "
         "layers in fixed tiles of rows; needs the native CPU kernels)")] = False
 
     def validate(self) -> None:
         _check_choices(self)
+        if self.quantization_group_size not in (32, 64, 128, 256):
+            raise ValueError("quantization_group_size must be 32, 64, 128 or 256")
 
 
 @dataclass(slots=True)

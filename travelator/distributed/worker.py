@@ -45,6 +45,8 @@ class WorkerSpec:
     eos_token_ids: frozenset[int]
     kernels: str
     batch_invariant: bool
+    quantization: str = "auto"
+    quantization_group_size: int = 128
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -139,7 +141,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
         source.arch, source.weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
         max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
         kernels=spec.kernels, batch_invariant=spec.batch_invariant,
-        tp=group,
+        tp=group, quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
     )
     worker = Worker(runner)
     while True:

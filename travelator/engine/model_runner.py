@@ -64,7 +64,8 @@ class ModelRunner:
                  kv_dtype: torch.dtype, device: torch.device, max_model_len: int, seed: int = 0,
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
                  kernels: str = "auto", batch_invariant: bool = False,
-                 grammars: GrammarCompiler | None = None, draft: ModelSource | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, draft: ModelSource | None = None,
+                 quantization: str = "auto", quantization_group_size: int = 128) -> None:
         self.arch = arch
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         # Structured outputs: masks for constrained rows (on the rank that samples).
@@ -77,7 +78,13 @@ class ModelRunner:
         self.tp_size = tp.size if tp is not None else 1
         if tp is not None and batch_invariant:
             tp.fixed_order_sums = True
-        model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp, ops=self.ops)
+        method = None if quantization in ("auto", "none") else quantization
+        if method is not None and device.type != "cpu":
+            raise ValueError(f"quantization {method} runs on the CPU (torch's int8/int4 CPU kernels); "
+                             f"the device is {device}")
+        model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp, ops=self.ops,
+                           quantization=method, group_size=quantization_group_size,
+                           keep_gguf_quants=quantization == "auto" and device.type == "cpu")
         if weights is None:
             model.init_dummy_weights(seed)
         else:

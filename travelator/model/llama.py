@@ -14,6 +14,7 @@ on the driver). Norms are replicated. Without a group nothing of this runs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +26,13 @@ from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, PagedAttention
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
 from travelator.model.ops import TorchOps
+from travelator.model.quant import (GGUF_BLOCK, BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod,
+                                    int4_shape_ok, quantize)
+
+logger = logging.getLogger(__name__)
+
+# The linear layers ``quantization`` applies to (the embedding and the LM head stay as they are).
+QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight")
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -105,9 +113,17 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int,
-                 tp: TPGroup | None = None, ops: TorchOps | None = None) -> None:
+                 tp: TPGroup | None = None, ops: TorchOps | None = None,
+                 quantization: QuantMethod | None = None, group_size: int = 128,
+                 keep_gguf_quants: bool = True) -> None:
         super().__init__()
         self.ops = ops if ops is not None else TorchOps()
+        # Weight-only quantization of the QUANTIZABLE layers: each is quantized as its rows
+        # stream in, and its full-precision parameter (allocated, never written) is dropped.
+        self.quantization, self.group_size = quantization, group_size
+        self.keep_gguf_quants = keep_gguf_quants
+        self._builders: dict[str, QuantizedBuilder] = {}
+        self._int8_fallbacks: set[tuple[int, int]] = set()
         if tp is not None:
             check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp.size)
         self.arch = arch
@@ -126,6 +142,52 @@ class LlamaModel(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory (quantized ones as stored)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return total + sum(w.nbytes for w in self.linear_weights() if not isinstance(w, torch.Tensor))
+
+    def _quantizes(self, target: str) -> bool:
+        return self.quantization is not None and target.endswith(QUANTIZABLE)
+
+    def _method_for(self, target: str, shape: tuple[int, int]) -> QuantMethod:
+        """int4 where the layer's shape allows it (its kernel's tiling), else int8, said once."""
+        if self.quantization == "int4" and not int4_shape_ok(*shape, self.group_size):
+            if shape not in self._int8_fallbacks:
+                self._int8_fallbacks.add(shape)
+                logger.warning("int4 needs the input size to be a multiple of %d and the output size of 16: "
+                               "layers of shape %s (like %s) are int8", max(self.group_size, 32), shape, target)
+            return "int8"
+        return self.quantization
+
+    def _builder_for(self, target: str, tensor, shape: tuple[int, int],
+                     parts_written: dict[str, int]) -> QuantizedBuilder | None:
+        """Where a checkpoint tensor of ``target`` goes when it is quantized (None: into the
+        parameter as it is). ``quantization`` int8/int4 quantizes every QUANTIZABLE layer; else a
+        GGUF file's blocks (``BlockQuantized``) stay quantized in their own form, on one rank
+        (``keep_gguf_quants``), unless an earlier part of the same fused weight was float."""
+        builder = self._builders.get(target)
+        if builder is not None or not target.endswith(QUANTIZABLE):
+            return builder
+        if self.quantization is not None:
+            method, group = self._method_for(target, shape), self.group_size
+        elif (isinstance(tensor, BlockQuantized) and self.keep_gguf_quants and self.tp_size == 1
+                and parts_written.get(target, 0) <= 1):
+            method, group = tensor.method, GGUF_BLOCK
+            if method == "int4" and not int4_shape_ok(*shape, group):
+                method = "int8"
+        else:
+            return None
+        builder = self._builders[target] = QuantizedBuilder(shape, method, self.dtype, group)
+        return builder
+
+    def _install(self, target: str, weight: QuantizedWeight) -> None:
+        """Put a quantized weight where its parameter was (which is dropped)."""
+        module_name, attr = target.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        del module._parameters[attr]
+        setattr(module, attr, weight)
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights that go through ``ops.linear`` (the ops may pre-pack them)."""
@@ -202,9 +264,20 @@ class LlamaModel(nn.Module):
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
                 )
-            dest.copy_(shard.take(tensor, part or 0, rank, size))
+            builder = self._builder_for(target, tensor, tuple(params[target].shape), parts_written)
+            if isinstance(tensor, BlockQuantized) and builder is None:
+                tensor = tensor.dequantize()
+            row0 = shard.local_offset(part, size) if part is not None else 0
+            if builder is None:
+                dest.copy_(shard.take(tensor, part or 0, rank, size))
+            elif isinstance(tensor, BlockQuantized):
+                builder.write_blocks(row0, tensor)  # one rank: no shard to cut
+            else:
+                builder.write_rows(row0, shard.take(tensor, part or 0, rank, size))
             if part is None or parts_written[target] == len(shard.parts):
                 written.add(target)
+                if target in self._builders:
+                    self._install(target, self._builders.pop(target).finish())
         missing = expected - written
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
@@ -232,12 +305,17 @@ class LlamaModel(nn.Module):
         rank's shard: every tensor-parallel size gives the same model as one rank.
         """
         g = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
+        for name, p in list(self.named_parameters()):
             if name.endswith("norm.weight"):
                 p.data.fill_(1.0)
+                continue
+            full = torch.randn(self.full_shapes[name], generator=g) * 0.02
+            shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
+            if self._quantizes(name):
+                method = self._method_for(name, tuple(shard.shape))
+                self._install(name, quantize(shard, method, self.dtype, self.group_size))
             else:
-                full = torch.randn(self.full_shapes[name], generator=g) * 0.02
-                p.data.copy_(self.shards[name].shard(full, self.tp_rank, self.tp_size))
+                p.data.copy_(shard)
 
 
 # HF checkpoint names (without "model.") -> our parameters. Within a layer, q/k/v and gate/up

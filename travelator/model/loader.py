@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from travelator.model.arch import ModelArch, preset
+from travelator.model.quant import BlockQuantized, parse_gguf_blocks
 from travelator.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------
+_GGUF_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -151,16 +153,36 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
+    """The file's tensors under HF names, as float32 tensors; a linear layer's Q8_0, Q4_0 or
+    Q4_1 tensor as its blocks (``BlockQuantized``), for the model to keep quantized or to
+    dequantize (``LlamaModel.load_weights``). Other quantized types are dequantized here."""
     import gguf
 
+    kept = {gguf.GGMLQuantizationType.Q8_0: "q8_0", gguf.GGMLQuantizationType.Q4_0: "q4_0",
+            gguf.GGMLQuantizationType.Q4_1: "q4_1"}
+    warned: set[str] = set()
     for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne order is reversed
+        parts = t.name.split(".")
+        linear = parts[0] == "blk" and len(parts) > 3 and parts[2] in _GGUF_LINEAR and parts[3] == "weight"
+        if linear and t.tensor_type in kept:
+            blocks = parse_gguf_blocks(t.data, kept[t.tensor_type], *shape)
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+            if parts[2] in ("attn_q", "attn_k"):
+                heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
+                order = _unpermute_rope(np.arange(shape[0])[:, None], heads)[:, 0]
+                blocks = blocks.rows(torch.from_numpy(order.copy()))
+            yield name, blocks
+            continue
         data = t.data
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            if linear and t.tensor_type.name not in warned:
+                warned.add(t.tensor_type.name)
+                logger.warning("GGUF %s tensors (like %s) are dequantized at load: only Q8_0, Q4_0 and Q4_1 "
+                            "stay quantized", t.tensor_type.name, t.name)
             data = gguf.quants.dequantize(data, t.tensor_type)
-        shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne order is reversed
         arr = np.asarray(data, dtype=np.float32).reshape(shape)
-        parts = t.name.split(".")
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output_norm.weight":

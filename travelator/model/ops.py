@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from travelator import kernels
 from travelator.model.attention import AttentionBackend
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from travelator.model.quant import QuantizedWeight
 
 # Rows of x up to which bf16 linears use the streaming kernel (kMaxRows in small_m_linear.cpp).
 SMALL_M_ROWS = 2
@@ -44,9 +45,11 @@ class TorchOps:
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         """Called once the weights are final (loaded and on their device)."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return _quantized_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x)
@@ -95,10 +98,14 @@ class NativeOps(TorchOps):
         if not torch.backends.mkldnn.is_available():
             return
         for w in linear_weights:
-            if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
+            if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
                 self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
 
     def linear(self, x, weight, bias=None):
+        if not isinstance(weight, torch.Tensor):  # quantized: torch's int8/int4 kernels
+            if self.batch_invariant:
+                return _in_fixed_tiles(lambda rows: _quantized_linear(rows, weight, bias), x)
+            return _quantized_linear(x, weight, bias)
         packed = self._packed.get(weight)
         if packed is None:
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
@@ -138,6 +145,14 @@ class NativeOps(TorchOps):
         if not logits.is_contiguous():
             return super().apply_token_bitmask(logits, masks, rows)
         self._ops.apply_token_bitmask_(logits, masks, rows)
+
+
+def _quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    out = weight.linear(x.reshape(-1, shape[-1]).contiguous())
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def _in_fixed_tiles(call, x: torch.Tensor) -> torch.Tensor:
