@@ -23,7 +23,7 @@ def add_soak_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--disconnect-rate", type=float, default=d.disconnect_rate)
     p.add_argument("--burst-every", type=int, default=d.burst_every, help="0: no bursts")
-    p.add_argument("--burst-size", type=int, default=None, help="default: max-waiting + max-num-seqs + 8")
+    p.add_argument("--burst-size", type=int, default=None, help="default: max-waiting + max-num-seqs x engines + 8")
     p.add_argument("--invalid-rate", type=float, default=d.invalid_rate)
     p.add_argument("--long-rate", type=float, default=d.long_rate)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)

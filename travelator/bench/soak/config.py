@@ -39,7 +39,11 @@ class SoakConfig:
 
     @property
     def effective_burst_size(self) -> int:
-        return self.burst_size if self.burst_size is not None else self.max_waiting + self.max_num_seqs + 8
+        """Default: more than the server holds (its waiting queue and every engine's seats)."""
+        if self.burst_size is not None:
+            return self.burst_size
+        engines = sum(int(n) for n in self.disaggregate.split(":")) if self.disaggregate else 1
+        return self.max_waiting + engines * self.max_num_seqs + 8
 
 
 @dataclass

@@ -1,0 +1,87 @@
+"""One linear layer, bf16 against int8 and int4 weights, at the row counts of real steps.
+
+bf16 runs the engine's own path (``NativeOps.linear``: the streaming one-row kernel at M <= 2,
+oneDNN's pre-packed AMX/AVX-512 kernel above); int8 and int4 run torch's CPU kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) as the engine does with
+``--quantization``. The weight is larger than the L3 cache by default (the 250M model's gate/up
+projection, 5632 x 1024, repeated over 8 copies), so each call streams it from memory, as in a
+decode step. Medians of repeats; the CPU and the load average are printed first.
+
+    python benchmarks/quantized_linear.py
+    python benchmarks/quantized_linear.py --out-features 2048 --in-features 512 --rows 1 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from travelator.model.ops import NativeOps, TorchOps
+from travelator.model.quant import quantize
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def timed(call, repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-features", type=int, default=5632)
+    ap.add_argument("--in-features", type=int, default=1024)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--copies", type=int, default=8, help="weights cycled through, so none stays in cache")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.2f}; weight [{args.out_features}, {args.in_features}] x "
+          f"{args.copies} copies", flush=True)
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(args.out_features, args.in_features, generator=g) * 0.02).bfloat16()
+               for _ in range(args.copies)]
+    try:
+        ops: TorchOps = NativeOps()
+    except Exception:  # noqa: BLE001 - no compiler here: torch's own bf16 path
+        ops = TorchOps()
+    ops.prepare(weights)
+    kinds = {
+        "bf16": weights,
+        "int8": [quantize(w, "int8", torch.bfloat16) for w in weights],
+        "int4": [quantize(w, "int4", torch.bfloat16, args.group_size) for w in weights],
+    }
+    print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>11}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
+    for m in args.rows:
+        x = torch.randn(m, args.in_features, generator=g).bfloat16()
+        ms = {}
+        for kind, ws in kinds.items():
+            def run_all(ws=ws):
+                for w in ws:
+                    ops.linear(x, w)
+            ms[kind] = timed(run_all, args.repeats) / len(ws) * 1e3
+        print(f"{m:>5} " + " ".join(f"{ms[k]:>11.3f}" for k in kinds)
+              + f"   {ms['bf16'] / ms['int8']:>10.2f}x   {ms['bf16'] / ms['int4']:>10.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
