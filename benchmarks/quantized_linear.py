@@ -1,9 +1,9 @@
 """One linear layer, bf16 against int8 and int4 weights, at the row counts of real steps.
 
-bf16 runs the engine's own path (``NativeOps.linear``: the streaming one-row kernel at M <= 2,
-oneDNN's pre-packed AMX/AVX-512 kernel above); int8 and int4 run torch's CPU kernels
-(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) as the engine does with
-``--quantization``. The weight is larger than the L3 cache by default (the 250M model's gate/up
+Every kind runs the engine's own path (``NativeOps.linear``). bf16: the streaming one-row
+kernel at M <= 2, oneDNN's pre-packed AMX/AVX-512 kernel above. int8: the streaming int8 kernel
+at M <= 2, torch's ``_weight_int8pack_mm`` above (also shown alone as "int8 torch"). int4:
+torch's ``_weight_int4pack_mm_for_cpu``. The weight is larger than the L3 cache by default (the 250M model's gate/up
 projection, 5632 x 1024, repeated over 8 copies), so each call streams it from memory, as in a
 decode step. Medians of repeats; the CPU and the load average are printed first.
 
@@ -65,21 +65,23 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - no compiler here: torch's own bf16 path
         ops = TorchOps()
     ops.prepare(weights)
+    int8 = [quantize(w, "int8", torch.bfloat16) for w in weights]
     kinds = {
-        "bf16": weights,
-        "int8": [quantize(w, "int8", torch.bfloat16) for w in weights],
-        "int4": [quantize(w, "int4", torch.bfloat16, args.group_size) for w in weights],
+        "bf16": (weights, ops.linear),
+        "int8": (int8, ops.linear),
+        "int8 torch": (int8, lambda x, w: w.linear(x)),
+        "int4": ([quantize(w, "int4", torch.bfloat16, args.group_size) for w in weights], ops.linear),
     }
-    print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>11}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
+    print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>16}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
     for m in args.rows:
         x = torch.randn(m, args.in_features, generator=g).bfloat16()
         ms = {}
-        for kind, ws in kinds.items():
-            def run_all(ws=ws):
+        for kind, (ws, linear) in kinds.items():
+            def run_all(ws=ws, linear=linear):
                 for w in ws:
-                    ops.linear(x, w)
+                    linear(x, w)
             ms[kind] = timed(run_all, args.repeats) / len(ws) * 1e3
-        print(f"{m:>5} " + " ".join(f"{ms[k]:>11.3f}" for k in kinds)
+        print(f"{m:>5} " + " ".join(f"{ms[k]:>16.3f}" for k in kinds)
               + f"   {ms['bf16'] / ms['int8']:>10.2f}x   {ms['bf16'] / ms['int4']:>10.2f}x", flush=True)
 
 

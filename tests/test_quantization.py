@@ -223,3 +223,21 @@ def test_tensor_parallel_ranks_quantize_their_own_shards():
     finally:
         llm.shutdown()
     assert "Once upon a time" + out.text == STORIES_EXPECTED[: len("Once upon a time" + out.text)]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("k", [1024, 200])  # whole cache lines, and a tail of 8
+def test_the_native_one_row_int8_kernel_matches_the_weight_it_stands_for(rows, k):
+    """The engine's own int8 kernel for one or two rows (``small_m_linear_int8``), where it
+    builds, against x @ (q * scale)^T in float."""
+    from travelator import kernels
+    from travelator.model.ops import NativeOps
+
+    if not kernels.available() or not hasattr(torch.ops.travelator, "small_m_linear_int8"):
+        pytest.skip("the native kernels (AVX512-BF16) do not build here")
+    w = torch.randn(72, k, generator=torch.Generator().manual_seed(2)) * 0.02
+    q = quantize(w, "int8", torch.bfloat16)
+    x = _x(rows, k)
+    got = NativeOps().linear(x, q).float()
+    ref = x.float() @ (q.qweight.float() * q.scales.float()[:, None]).T
+    assert torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())

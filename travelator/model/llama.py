@@ -31,8 +31,9 @@ from travelator.model.quant import (GGUF_BLOCK, BlockQuantized, QuantizedBuilder
 
 logger = logging.getLogger(__name__)
 
-# The linear layers ``quantization`` applies to (the embedding and the LM head stay as they are).
-QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight")
+# The linear layers ``quantization`` applies to: an untied LM head too (a tied one is also the
+# embedding, whose rows are read as they are).
+QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight", "lm_head")
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -152,7 +153,11 @@ class LlamaModel(nn.Module):
         return self.quantization is not None and target.endswith(QUANTIZABLE)
 
     def _method_for(self, target: str, shape: tuple[int, int]) -> QuantMethod:
-        """int4 where the layer's shape allows it (its kernel's tiling), else int8, said once."""
+        """int4 where the layer's shape allows it (its kernel's tiling), else int8, said once.
+        The LM head is int8 under int4 too: its error goes straight into the logits (llama.cpp's
+        Q4 mixes keep their output layer at 6 bits or more for the same reason)."""
+        if target == "lm_head":
+            return "int8"
         if self.quantization == "int4" and not int4_shape_ok(*shape, self.group_size):
             if shape not in self._int8_fallbacks:
                 self._int8_fallbacks.add(shape)
@@ -184,8 +189,8 @@ class LlamaModel(nn.Module):
 
     def _install(self, target: str, weight: QuantizedWeight) -> None:
         """Put a quantized weight where its parameter was (which is dropped)."""
-        module_name, attr = target.rsplit(".", 1)
-        module = self.get_submodule(module_name)
+        module_name, _, attr = target.rpartition(".")
+        module = self.get_submodule(module_name)  # "": the model itself (its LM head)
         del module._parameters[attr]
         setattr(module, attr, weight)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from travelator import kernels
 from travelator.model.attention import AttentionBackend
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from travelator.model.quant import QuantizedWeight
+from travelator.model.quant import Int8Weight, QuantizedWeight
 
 # Rows of x up to which bf16 linears use the streaming kernel (kMaxRows in small_m_linear.cpp).
 SMALL_M_ROWS = 2
@@ -91,6 +91,7 @@ class NativeOps(TorchOps):
         # Built only where the compiler targets AVX512-BF16. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
+        self._small_m_linear_int8 = None if batch_invariant else getattr(self._ops, "small_m_linear_int8", None)
         # Likewise the tiled attention kernel for prefill tiles.
         self.tiled_prefill_attention = not batch_invariant
 
@@ -105,6 +106,11 @@ class NativeOps(TorchOps):
         if not isinstance(weight, torch.Tensor):  # quantized: torch's int8/int4 kernels
             if self.batch_invariant:
                 return _in_fixed_tiles(lambda rows: _quantized_linear(rows, weight, bias), x)
+            if (self._small_m_linear_int8 is not None and isinstance(weight, Int8Weight) and bias is None
+                    and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
+                # One or two rows: stream the int8 rows ourselves (torch's kernel is barely
+                # faster than bf16 there).
+                return self._small_m_linear_int8(x.contiguous(), weight.qweight, weight.scales)
             return _quantized_linear(x, weight, bias)
         packed = self._packed.get(weight)
         if packed is None:
