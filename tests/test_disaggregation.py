@@ -134,6 +134,24 @@ def test_router_abort_during_prefill_and_a_dead_decode_worker():
     assert not router.routes and router.placement.choose_decode(1) == 0
 
 
+def test_router_a_dead_prefill_worker_fails_only_what_it_held():
+    router, sent, pushed = _router(decode_blocks=(8,))
+    router.placement = Placement(2, [8])  # two prefill workers
+    router.add(_request("A"))  # prefill worker 0 (fewest tokens outstanding)
+    router.add(_request("B"))  # prefill worker 1
+    assert (router.routes["A"].prefill, router.routes["B"].prefill) == (0, 1)
+    router.on_report(m.Report(m.WorkerId(m.PREFILL, 1), [_out("B", [4], True, "length")], _stats(),
+                              handed_off=["B"]))  # B is at its decode worker now
+    sent.clear()
+    router.on_death(PREFILL0, "exit code -9")
+    assert [(o.request_id, o.finish_reason, o.error) for o in pushed if o.finished] == [
+        ("A", "error", "the prefill worker 0 died (exit code -9)")]
+    assert ("decode worker 0", "Forget") in [(w, type(c).__name__) for w, c in sent]  # A's KV never comes
+    assert list(router.routes) == ["B"] and router.placement.choose_prefill() == 1
+    router.add(_request("C"))
+    assert router.routes["C"].prefill == 1
+
+
 # ---- the server ----------------------------------------------------------------------------
 def start_server(tmp_path_factory, layout: str, *extra: str) -> ServerProcess:
     port = free_port()
