@@ -17,6 +17,7 @@ from paths import STORIES, STORIES_EXPECTED, needs_stories
 
 from travelator import LLM, SamplingParams
 from travelator.model.attention import build_metadata
+from travelator.model.gguf_requantize import requantize_gguf
 from travelator.model.quant import Int4Weight, Int8Weight, QuantizedBuilder, parse_gguf_blocks, quantize
 
 
@@ -155,40 +156,13 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
         assert torch.allclose(builder.finish().dequantize(), reference, rtol=0, atol=1e-5)
 
 
-def write_quantized_stories(path, kind: str) -> None:
-    """stories260K with its linear layers in Q8_0 or Q4_0 (those whose inputs are a multiple of
-    32: all but ffn_down, 172 wide, which stays F32), everything else as it was."""
-    import gguf
-    import numpy as np
-
-    qtype = getattr(gguf.GGMLQuantizationType, GGUF_KINDS[kind])
-    reader = gguf.GGUFReader(str(STORIES))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for f in reader.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vtype = f.types[0]
-        writer.add_key_value(f.name, f.contents(), vtype,
-                             sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        data = np.asarray(t.data, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
-        parts = t.name.split(".")
-        if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                              "ffn_up", "ffn_down") and data.shape[-1] % 32 == 0:
-            writer.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @needs_stories
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_a_quantized_gguf_file_stays_quantized(tmp_path, kind):
     path = tmp_path / f"stories-{kind}.gguf"
-    write_quantized_stories(path, kind)
+    # Its linear layers in Q8_0 or Q4_0, those whose inputs are a multiple of 32: all but
+    # ffn_down (172 wide), which stays F32.
+    assert requantize_gguf(STORIES, path, GGUF_KINDS[kind]) == 6 * 5  # 6 of 7 linears, 5 layers
     kept = LLM(str(path), dtype="float32")  # quantization auto: the blocks stay quantized
     dequantized = LLM(str(path), dtype="float32", quantization="none")
     model = kept.engine.runner.model
