@@ -150,20 +150,25 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
             i = by_id.get(out.request_id)
             if i is None:
                 continue
-            r = results[i]
-            r.token_times.extend([t] * len(out.new_token_ids))
+            _record(results[i], out, t)
             if out.finished:
-                r.end = t
-                r.output_len = len(out.output_token_ids)
-                r.success = out.finish_reason in ("length", "stop") and out.error is None
-                if not r.success:
-                    r.error = out.error or f"finish_reason={out.finish_reason}"
                 done += 1
                 bar.update(1)
     duration = time.perf_counter() - t0
     bar.close()
     return RunResult(results, duration, steps, engine.config.scheduler.max_num_seqs,
                      (load_start, _load_1m()))
+
+
+def _record(r: RequestResult, out, t: float) -> None:
+    """One output of the request, received at ``t`` (s since the start)."""
+    r.token_times.extend([t] * len(out.new_token_ids))
+    if out.finished:
+        r.end = t
+        r.output_len = len(out.output_token_ids)
+        r.success = out.finish_reason in ("length", "stop") and out.error is None
+        if not r.success:
+            r.error = out.error or f"finish_reason={out.finish_reason}"
 
 
 def _load_1m() -> float:
@@ -203,14 +208,7 @@ async def _run_served(engine, workload: Workload, arrivals, progress: bool, desc
         spec, r = workload.requests[i], results[i]
         try:
             async for out in engine.generate(spec.prompt_token_ids, sampling_params_for(spec.output_len)):
-                t = time.perf_counter() - t0
-                r.token_times.extend([t] * len(out.new_token_ids))
-                if out.finished:
-                    r.end = t
-                    r.output_len = len(out.output_token_ids)
-                    r.success = out.finish_reason in ("length", "stop") and out.error is None
-                    if not r.success:
-                        r.error = out.error or f"finish_reason={out.finish_reason}"
+                _record(r, out, time.perf_counter() - t0)
         except ValueError as e:
             r.error, r.end = str(e), time.perf_counter() - t0
         bar.update(1)

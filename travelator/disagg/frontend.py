@@ -33,7 +33,7 @@ from travelator.disagg import messages as m
 from travelator.disagg.placement import Placement
 from travelator.disagg.router import Router
 from travelator.disagg.worker import WorkerSpec, run_worker
-from travelator.engine.async_engine import EngineDeadError
+from travelator.engine.async_engine import EngineDeadError, call_listeners, read_stream
 from travelator.engine.engine import EngineCounters, StepStats
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.outputs import RequestOutput
@@ -273,11 +273,7 @@ class DisaggregatedEngine:
         self.error = exc
         for rid in list(self._streams):
             self._push(rid, exc)
-        for listener in self.death_listeners:
-            try:
-                listener(exc)
-            except Exception:  # noqa: BLE001
-                logger.exception("a death listener failed")
+        call_listeners(self.death_listeners, "death", exc)
 
     # ---- requests (as AsyncEngine) -----------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -301,19 +297,8 @@ class DisaggregatedEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine has stopped: {item!r}")
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(req.request_id)
+        async for item in read_stream(stream, lambda: self.abort(req.request_id)):
+            yield item
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -360,7 +345,7 @@ class DisaggregatedEngine:
         self.stats[rep.worker] = rep.stats
         delivered = self.router.on_report(rep)
         if rep.step is not None:
-            self._notify_step(rep.step, delivered)
+            call_listeners(self.step_listeners, "step", rep.step, delivered)
 
     def _push(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -370,12 +355,6 @@ class DisaggregatedEngine:
             self._streams.pop(request_id, None)
         stream.put_nowait(item)
 
-    def _notify_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
-        for listener in self.step_listeners:
-            try:
-                listener(stats, outputs)
-            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
-                logger.exception("a step listener failed")
 
     # ---- faults ---------------------------------------------------------------------------
     def _watch_processes(self) -> None:

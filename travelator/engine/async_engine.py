@@ -141,21 +141,8 @@ class AsyncEngine:
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; abort it if the consumer goes away."""
         req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, ValueError):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine has stopped: {item!r}")
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(req.request_id)
+        async for item in read_stream(stream, lambda: self.abort(req.request_id)):
+            yield item
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -252,18 +239,11 @@ class AsyncEngine:
             self.error = exc
         for rid in list(self._streams):
             self._push(rid, exc)
-        for listener in self.death_listeners:
-            try:
-                listener(exc)
-            except Exception:  # noqa: BLE001 - the loop is gone already; say so and go on
-                logger.exception("a death listener failed")
+        # The loop is gone already: a failing listener is logged, the others still run.
+        call_listeners(self.death_listeners, "death", exc)
 
     def _notify_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
-        for listener in self.step_listeners:
-            try:
-                listener(stats, outputs)
-            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
-                logger.exception("a step listener failed")
+        call_listeners(self.step_listeners, "step", stats, outputs)  # a metrics bug must not stop serving
 
     def _answer_leftovers(self) -> None:
         """Answer what is still queued when the loop ends: calls run (the engine is quiescent
@@ -317,6 +297,36 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is left to read it
             pass
+
+
+async def read_stream(stream: asyncio.Queue, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until it finishes; ``abort()`` if the reader leaves
+    first. A ValueError in the queue is raised as it is, any other exception as EngineDeadError.
+    (Shared by the step loop's engine and the disaggregated front end.)"""
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if isinstance(item, ValueError):
+                raise item
+            if isinstance(item, BaseException):
+                raise EngineDeadError(f"the engine has stopped: {item!r}")
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            abort()
+
+
+def call_listeners(listeners: list[Callable[..., None]], kind: str, *args: Any) -> None:
+    """Call each listener; one that raises is logged and the others still run."""
+    for listener in listeners:
+        try:
+            listener(*args)
+        except Exception:  # noqa: BLE001 - a listener's bug must not stop the engine
+            logger.exception("a %s listener failed", kind)
 
 
 def _run_call(fn: Callable[[LLMEngine], Any], engine: LLMEngine, fut: concurrent.futures.Future) -> None:

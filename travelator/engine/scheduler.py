@@ -103,6 +103,11 @@ class SchedulerBase:
             self._freed.append(request_id)
 
     def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and put it back to wait."""
+        self._release_blocks(req)
+        self._requeue(req)
+
+    def _release_blocks(self, req: Request) -> None:
         """Free the request's blocks; it recomputes prompt + outputs when it resumes."""
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -110,7 +115,6 @@ class SchedulerBase:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_in_runner(req.request_id)
-        self._requeue(req)
 
     def _requeue(self, req: Request) -> None:
         """Put a preempted request back where it waits (FCFS: the front)."""
@@ -370,13 +374,8 @@ class IterationScheduler(SchedulerBase):
         latest such request gives its blocks up and will recompute, as a preempted one."""
         for req in reversed(self._waiting_order()):
             if self.kv.block_ids(req.request_id):
-                self.kv.free(req.request_id)
-                req.status = RequestStatus.PREEMPTED
-                req.num_computed_tokens = 0
-                req.num_preemptions += 1
-                self.num_preemptions += 1
+                self._release_blocks(req)  # it stays where it waits
                 out.num_preempted += 1
-                self._forget_in_runner(req.request_id)
                 return True
         return False
 

@@ -81,13 +81,10 @@ def int4_shape_ok(out_features: int, in_features: int, group_size: int) -> bool:
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
-    if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}; got {group_size}")
-    if in_features % group_size or in_features % (16 * _INNER_K_TILES):
-        raise ValueError(f"int4 needs the input size ({in_features}) to be a multiple of the group size "
-                         f"({group_size}) and of {16 * _INNER_K_TILES}")
-    if out_features % 16:
-        raise ValueError(f"int4 needs the output size ({out_features}) to be a multiple of 16")
+    if not int4_shape_ok(out_features, in_features, group_size):
+        raise ValueError(f"int4 needs a group size in {INT4_GROUP_SIZES} (got {group_size}), the input size "
+                         f"({in_features}) a multiple of it and of {16 * _INNER_K_TILES}, and the output "
+                         f"size ({out_features}) a multiple of 16")
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
