@@ -164,6 +164,7 @@ class DisaggregatedEngine:
                        [m.WorkerId(m.DECODE, i) for i in range(disagg.num_decode)]
         self.stats: dict[m.WorkerId, m.WorkerStats] = {}
         self.dead: dict[m.WorkerId, str] = {}
+        self._broken_links: set[m.WorkerId] = set()  # decode workers alive after a failed send
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
         self.death_listeners: list[Callable[[BaseException], None]] = []
         self.error: BaseException | None = None
@@ -343,6 +344,18 @@ class DisaggregatedEngine:
         if rep.worker in self.dead:
             return
         self.stats[rep.worker] = rep.stats
+        for d in rep.lost_peers:
+            # A send fails when its decode worker dies, often before its process watcher says
+            # so: attribute the failure to the death, as every other request of that worker.
+            peer = m.WorkerId(m.DECODE, d)
+            if peer in self.dead or peer in self._broken_links:
+                continue
+            proc = self.processes[peer]
+            proc.join(1.0)
+            if proc.exitcode is not None:
+                self._on_death(peer, f"exit code {proc.exitcode}")
+            else:  # alive: its pair broke; its requests fail with the transfer error, once waited for
+                self._broken_links.add(peer)
         delivered = self.router.on_report(rep)
         if rep.step is not None:
             call_listeners(self.step_listeners, "step", rep.step, delivered)

@@ -120,6 +120,8 @@ class Report:
     # Requests this worker could not carry on (a failed transfer, a hand-off it could not
     # take): request id -> why.
     failed: dict[str, str] = field(default_factory=dict)
+    # Prefill: decode workers a KV send failed to (the front end checks whether they died).
+    lost_peers: list[int] = field(default_factory=list)
     step: StepStats | None = None  # the step this report follows (None: none ran)
 
 

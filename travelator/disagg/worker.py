@@ -74,6 +74,7 @@ class _PeerLost:
 @dataclass(slots=True)
 class _SendFailed:
     request_id: str
+    decode: int  # the decode worker it could not be sent to
     error: str
 
 
@@ -222,13 +223,14 @@ class PrefillLoop(_WorkerLoop):
         self.targets: dict[str, int | None] = {}  # request id -> decode worker
         self.handed_off: list[str] = []
         self.to_send: list[tuple[int, KVHandoff]] = []
+        self.lost_peers: set[int] = set()  # decode workers a send failed to, since the last report
         self.outboxes: list[queue.SimpleQueue] = []
         for d in range(spec.num_decode):
             channel = pair_channel(store, spec.worker.index, d, m.PREFILL, spec.connect_timeout_s)
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             self.channels.append(channel)
             self.outboxes.append(outbox)
-            threading.Thread(target=self._send_loop, args=(channel, outbox), daemon=True,
+            threading.Thread(target=self._send_loop, args=(d, channel, outbox), daemon=True,
                              name=f"travelator-kv-send-{d}").start()
 
     def handle(self, item) -> None:
@@ -244,6 +246,7 @@ class PrefillLoop(_WorkerLoop):
                 self.emit(self.engine.abort_request([item.request_id]))
         elif isinstance(item, _SendFailed):
             self.fail(item.request_id, item.error)
+            self.lost_peers.add(item.decode)
         elif isinstance(item, m.Check):
             self.check(item.token)
 
@@ -259,7 +262,9 @@ class PrefillLoop(_WorkerLoop):
         for rid in failed:
             self.targets.pop(rid, None)
         handed_off, self.handed_off = self.handed_off, []
-        return m.Report(self.worker, outputs, self.stats(), handed_off=handed_off, failed=failed)
+        lost, self.lost_peers = sorted(self.lost_peers), set()
+        return m.Report(self.worker, outputs, self.stats(), handed_off=handed_off, failed=failed,
+                        lost_peers=lost)
 
     def after_report(self) -> None:
         # The KV goes after the report with the first token: the front end usually hears of
@@ -271,7 +276,7 @@ class PrefillLoop(_WorkerLoop):
     def local_state(self) -> dict[str, int]:
         return {"targets": len(self.targets)}
 
-    def _send_loop(self, channel: KVChannel, outbox: queue.SimpleQueue) -> None:
+    def _send_loop(self, decode: int, channel: KVChannel, outbox: queue.SimpleQueue) -> None:
         broken: str | None = None
         while True:
             handoff: KVHandoff = outbox.get()
@@ -280,9 +285,9 @@ class PrefillLoop(_WorkerLoop):
                     channel.send(handoff, 1)
                     continue
                 except Exception as exc:  # noqa: BLE001 - the pair is gone: fail what goes to it
-                    broken = f"the KV transfer to decode worker failed: {exc!r}"
+                    broken = f"the KV transfer to decode worker {decode} failed: {exc!r}"
                     logger.error("%s", broken)
-            self.inbox.put(_SendFailed(handoff.request_id, broken))
+            self.inbox.put(_SendFailed(handoff.request_id, decode, broken))
 
 
 class DecodeLoop(_WorkerLoop):
