@@ -293,7 +293,10 @@ def test_a_killed_decode_worker_fails_only_its_requests(tmp_path_factory):
         results: dict[int, httpx.Response] = {}
 
         def send(i: int) -> None:
-            results[i] = complete(url, PROMPTS[i % 4], 280)
+            try:
+                results[i] = complete(url, PROMPTS[i % 4], 280)
+            except httpx.HTTPError as exc:  # a hang: reported by the assertion below, with the log
+                results[i] = SimpleNamespace(status_code=repr(exc), json=lambda: {"error": {"message": ""}})
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
         for t in threads:
@@ -308,9 +311,9 @@ def test_a_killed_decode_worker_fails_only_its_requests(tmp_path_factory):
         os.kill(victim, signal.SIGKILL)
         for t in threads:
             t.join()
-        codes = sorted(r.status_code for r in results.values())
+        codes = [r.status_code for r in results.values()]
         failed = [r.json()["error"] for r in results.values() if r.status_code != 200]
-        assert failed and 200 in codes, codes
+        assert failed and 200 in codes, (codes, server.log_tail(60))
         assert all("decode worker 1 died" in e["message"] for e in failed), failed
         assert all(r.json()["choices"][0]["finish_reason"] == "length"
                    for r in results.values() if r.status_code == 200)

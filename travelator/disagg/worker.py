@@ -329,10 +329,12 @@ class DecodeLoop(_WorkerLoop):
             self.orphans.pop(item.request_id, None)
             self._drop_ready(item.request_id)
         elif isinstance(item, _PeerLost):
-            # That prefill worker is gone: nothing more comes from it. The front end fails
-            # the requests it held; forget them here.
+            # Nothing more comes from that prefill worker: fail what was expected from it (the
+            # front end has closed them already when the worker died; else they would wait for ever).
             for rid in [r for r, e in self.expected.items() if e.prefill == item.peer]:
                 del self.expected[rid]
+                if rid not in self.aborted:
+                    self.fail(rid, f"the KV link from prefill worker {item.peer} broke: {item.error}")
                 self.aborted.discard(rid)
             for rid in [r for r, (p, _) in self.orphans.items() if p == item.peer]:
                 del self.orphans[rid]
