@@ -20,10 +20,12 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -176,7 +178,7 @@ class DisaggregatedEngine:
         self._check_ids = itertools.count()
         self._stopped = threading.Event()
         ctx = multiprocessing.get_context("spawn")
-        self._events = ctx.Queue()
+        self._event_pipes: dict[Connection, m.WorkerId] = {}  # each worker's own (see run_worker)
         self._commands = {w: ctx.Queue() for w in self.workers}
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=disagg.start_timeout_s))
@@ -185,9 +187,12 @@ class DisaggregatedEngine:
         for w in self.workers:
             spec = WorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill, disagg.num_decode,
                               threads, os.getpid(), disagg.start_timeout_s)
-            proc = ctx.Process(target=run_worker, args=(spec, self._commands[w], self._events),
+            events, worker_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_worker, args=(spec, self._commands[w], worker_end),
                                name=f"travelator-{w.role}-{w.index}", daemon=True)
             proc.start()
+            worker_end.close()  # the worker holds it now: its exit ends the stream
+            self._event_pipes[events] = w
             self.processes[w] = proc
         try:
             ready = self._wait_ready(disagg.start_timeout_s)
@@ -209,17 +214,25 @@ class DisaggregatedEngine:
             for w, proc in self.processes.items():
                 if not proc.is_alive() and w not in ready:
                     raise RuntimeError(f"the {w} exited with code {proc.exitcode} before it was ready")
-            try:
-                ev = self._events.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the workers were not ready in {timeout_s} s") from None
-                continue
-            if isinstance(ev, m.Died):
-                raise RuntimeError(f"the {ev.worker} failed to start: {ev.error}")
-            if isinstance(ev, m.Ready):
-                ready[ev.worker] = ev
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers were not ready in {timeout_s} s")
+            for ev in self._receive_events(0.5):
+                if isinstance(ev, m.Died):
+                    raise RuntimeError(f"the {ev.worker} failed to start: {ev.error}")
+                if isinstance(ev, m.Ready):
+                    ready[ev.worker] = ev
         return ready
+
+    def _receive_events(self, timeout_s: float) -> list:
+        """What the workers sent, waiting up to ``timeout_s`` for something."""
+        events = []
+        for pipe in multiprocessing.connection.wait(list(self._event_pipes), timeout_s):
+            try:
+                events.append(pipe.recv())
+            except (EOFError, OSError, pickle.UnpicklingError):  # its worker exited (the watcher says so)
+                del self._event_pipes[pipe]
+                pipe.close()
+        return events
 
     # ---- lifecycle (as AsyncEngine) ----------------------------------------------------
     def start(self) -> None:
@@ -242,7 +255,6 @@ class DisaggregatedEngine:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        self._events.put(None)  # ends the reader thread
 
     @property
     def healthy(self) -> bool:
@@ -315,17 +327,13 @@ class DisaggregatedEngine:
 
     # ---- what the workers report (on the event loop) --------------------------------------
     def _read_events(self) -> None:
-        while True:
-            try:
-                ev = self._events.get()
-            except (EOFError, OSError):
-                return
-            if ev is None:
-                return
-            try:
-                self._loop.call_soon_threadsafe(self._on_event, ev)
-            except RuntimeError:  # that loop has closed (between a benchmark's runs): a report at rest
-                continue
+        # Until every worker has exited: one blocked in sending a report could not read STOP.
+        while self._event_pipes:
+            for ev in self._receive_events(1.0):
+                try:
+                    self._loop.call_soon_threadsafe(self._on_event, ev)
+                except RuntimeError:  # that loop has closed (between a benchmark's runs): a report at rest
+                    continue
 
     def _on_event(self, ev) -> None:
         if isinstance(ev, m.Report):

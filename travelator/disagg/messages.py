@@ -1,7 +1,7 @@
 """What the front end and the workers of a disaggregated server tell each other.
 
-Commands go to one worker through its own queue (multiprocessing, FIFO); events from every
-worker come back through one queue. Both carry these dataclasses (pickled between processes
+Commands go to one worker through its own queue (multiprocessing, FIFO); its events come
+back through its own pipe. Both carry these dataclasses (pickled between processes
 this server started, on one machine). KV data never goes through them: it moves between a
 prefill and a decode worker over gloo (``distributed/kv_transport.py``).
 """

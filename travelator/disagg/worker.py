@@ -27,6 +27,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -85,8 +86,10 @@ def pair_channel(store: dist.Store, prefill: int, decode: int, role: str, timeou
                      timeout_s=timeout_s)
 
 
-def run_worker(spec: WorkerSpec, commands, events) -> None:
-    """The process's entry point (multiprocessing, spawn)."""
+def run_worker(spec: WorkerSpec, commands, events: Connection) -> None:
+    """The process's entry point (multiprocessing, spawn). ``events`` is this worker's own pipe
+    to the front end: a worker killed in the middle of a message breaks only its own stream (a
+    queue shared by all workers would stay locked by it, and every other worker's reports with it)."""
     logging.basicConfig(level=os.environ.get("TRAVELATOR_LOG_LEVEL", "WARNING"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     threading.Thread(target=watch_parent, args=(spec.parent_pid,), daemon=True).start()
@@ -102,18 +105,16 @@ def run_worker(spec: WorkerSpec, commands, events) -> None:
             loop = DecodeLoop(spec, engine, store, inbox, events)
         threading.Thread(target=_forward, args=(commands, inbox), daemon=True,
                          name="travelator-commands").start()
-        events.put(m.Ready(spec.worker, engine.max_model_len, engine.kv.num_blocks, engine.kv.block_size,
+        events.send(m.Ready(spec.worker, engine.max_model_len, engine.kv.num_blocks, engine.kv.block_size,
                            os.getpid()))
         loop.serve()
     except BaseException as exc:  # noqa: BLE001 - tell the front end, then exit non-zero
         logger.exception("%s failed", spec.worker)
-        events.put(m.Died(spec.worker, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+        events.send(m.Died(spec.worker, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
         events.close()
-        events.join_thread()  # the report is sent before the process ends
         os._exit(1)
     # Not a normal exit: the transfer threads sit in gloo calls that must not be unwound.
     events.close()
-    events.join_thread()
     os._exit(0)
 
 
@@ -126,7 +127,7 @@ def _forward(commands, inbox: queue.SimpleQueue) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, inbox: queue.SimpleQueue, events) -> None:
+    def __init__(self, spec: WorkerSpec, engine: LLMEngine, inbox: queue.SimpleQueue, events: Connection) -> None:
         self.worker = spec.worker
         self.engine = engine
         self.inbox = inbox
@@ -152,7 +153,7 @@ class _WorkerLoop:
             if stepped or self._outputs or self._failed or self.has_news() or now - last_report >= IDLE_REPORT_S:
                 report = self.report(self._outputs, self._failed)
                 report.step = self.engine.last_step if stepped else None
-                self.events.put(report)
+                self.events.send(report)
                 self.after_report()
                 self._outputs, self._failed = [], {}
                 last_report = now
@@ -190,7 +191,7 @@ class _WorkerLoop:
         report["worker"] = self.local_state()
         if any(report["worker"].values()):
             report["idle"] = False
-        self.events.put(m.CheckReport(self.worker, token, report))
+        self.events.send(m.CheckReport(self.worker, token, report))
 
     # ---- what each role adds -----------------------------------------------------------
     def handle(self, item) -> None:
@@ -218,7 +219,7 @@ class _WorkerLoop:
 
 class PrefillLoop(_WorkerLoop):
     def __init__(self, spec: WorkerSpec, engine: LLMEngine, store: dist.Store, inbox: queue.SimpleQueue,
-                 events) -> None:
+                 events: Connection) -> None:
         super().__init__(spec, engine, inbox, events)
         self.targets: dict[str, int | None] = {}  # request id -> decode worker
         self.handed_off: list[str] = []
@@ -292,7 +293,7 @@ class PrefillLoop(_WorkerLoop):
 
 class DecodeLoop(_WorkerLoop):
     def __init__(self, spec: WorkerSpec, engine: LLMEngine, store: dist.Store, inbox: queue.SimpleQueue,
-                 events) -> None:
+                 events: Connection) -> None:
         super().__init__(spec, engine, inbox, events)
         self.expected: dict[str, m.Expect] = {}
         self.aborted: set[str] = set()  # expected, then aborted: their KV is dropped when it comes
