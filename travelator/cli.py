@@ -44,6 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         grammar_compile_timeout_s=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
+        dashboard=not args.no_dashboard, dashboard_show_prompts=args.dashboard_show_prompts,
     )
     if args.enable_debug_endpoints:
         settings.enable_debug_endpoints = True
@@ -65,6 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     auth = "API key required" if settings.api_key else "no API key (use --api-key to require one)"
     print(f"serving {', '.join(settings.served_model_names)} on http://{args.host}:{args.port}/v1 "
           f"(context {async_engine.engine.max_model_len} tokens{layout}; {auth})", file=sys.stderr, flush=True)
+    if settings.dashboard and args.disaggregate is None:
+        print(f"live view: http://{args.host}:{args.port}/dashboard", file=sys.stderr, flush=True)
     return run_server(app, args.host, args.port, log_level=args.log_level.lower(),
                       access_log=args.access_log)
 
@@ -125,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
                      help="how tool calls are read out of the text with tool_choice auto: Hermes "
                           "<tool_call> tags or Llama 3 JSON (default: auto, from the chat template)")
+    srv.add_argument("--no-dashboard", action="store_true",
+                     help="do not serve the live view (GET /dashboard and its stream /dashboard/stream)")
+    srv.add_argument("--dashboard-show-prompts", action="store_true",
+                     help="let the live view show the first 200 characters of each prompt (off: only "
+                          "ids and token counts)")
     srv.add_argument("--enable-debug-endpoints", action="store_true",
                      help="serve GET /debug/engine (block pool and request accounting); "
                           "also TRAVELATOR_DEBUG_ENDPOINTS=1")

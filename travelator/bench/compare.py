@@ -9,8 +9,10 @@ drift in the machine's load hits all alike.
 
 Outputs: a table, ``compare.json``, ``latency_vs_throughput.png`` (median normalised
 latency in s/token against throughput in requests/s, as Orca's figures plot it),
-``batch_occupancy.png`` (busy seats per step against ``max_num_seqs``), and one line per
-baseline with the iteration-level throughput ratio at the same latency target.
+``batch_occupancy.png`` (busy seats per step against ``max_num_seqs``), ``walkway.html``
+(the occupancy rate's runs replayed side by side in the live view's page: who sat where at
+each step; it opens from disk), and one line per baseline with the iteration-level throughput
+ratio at the same latency target.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import gc
 import json
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,8 @@ from travelator.bench.arrivals import arrival_times
 from travelator.bench.metrics import compute_metrics, format_markdown_table, format_table
 from travelator.bench.runner import RunResult, run_engine, warm_up
 from travelator.bench.workloads import Workload
+from travelator.dashboard.page import render_page
+from travelator.engine.walkway import WalkwayRecorder
 
 BATCHING_MODES = ("static", "dynamic", "orca", "iteration")  # the history's order
 DEFAULT_MODES = ("static", "iteration")
@@ -177,14 +183,19 @@ def run_compare(
     max_num_seqs = eng0.config.scheduler.max_num_seqs
     rows: list[dict] = []
     traces: dict[str, dict] = {}
+    walkways: list[dict] = []  # the occupancy rate's runs, step by step, for walkway.html
     for k, rate in enumerate(rates):
         arrivals = arrival_times(len(workload), rate, burstiness=burstiness, seed=arrival_seed)
         # A fresh first token per rate: no prefix-cache hits on the previous rate's blocks.
         work = workload.salted(k)
         # Alternate the order, so that no mode always runs first, on a colder cache.
         for sched in (modes if k % 2 == 0 else modes[::-1]):
+            on_step = None
+            if rate == occ_rate:
+                on_step, walkway = walkway_recording(engines[sched])
+                walkways.append({"name": sched, "info": walkway["info"], "records": walkway["records"], "t0": 0.0})
             run: RunResult = run_engine(engines[sched], work, arrivals, progress=progress,
-                                        desc=f"{sched} @ {rate:g} req/s")
+                                        desc=f"{sched} @ {rate:g} req/s", on_step=on_step)
             m = compute_metrics(run.results, run.duration_s)
             row = {"rate": rate, "scheduler": sched, **m, **run.step_summary()}
             rows.append(row)
@@ -217,10 +228,29 @@ def run_compare(
         rows, modes, target, out_dir / "latency_vs_throughput.png", title=plot_title(model_info)))
     report["files"]["occupancy_png"] = str(plot_occupancy(
         traces, modes, max_num_seqs, occ_rate, out_dir / "batch_occupancy.png", title=plot_title(model_info)))
+    walkways.sort(key=lambda w: modes.index(w["name"]))
+    replay = {"title": f"{plot_title(model_info)} · {occ_rate:g} req/s", "panels": walkways,
+              "speed": 1}
+    html_path = out_dir / "walkway.html"
+    html_path.write_text(render_page(replay))
+    report["files"]["walkway_html"] = str(html_path)
     json_path = out_dir / "compare.json"
     report["files"]["json"] = str(json_path)
     json_path.write_text(json.dumps(jsonable(report), indent=1))
     return report
+
+
+def walkway_recording(engine) -> tuple[Callable[[list], None], dict]:
+    """A step hook for ``run_engine`` that records the run's walkway (seats per step, as the
+    live view's stream), on a clock that starts now."""
+    start = time.perf_counter()
+    recorder = WalkwayRecorder(engine, clock=lambda: round(time.perf_counter() - start, 4))
+    walkway = {"info": recorder.info(), "records": []}
+
+    def on_step(outputs: list) -> None:
+        walkway["records"].append(recorder.record(outputs))
+
+    return on_step, walkway
 
 
 def model_summary(model: str, engine) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -100,8 +101,10 @@ def warm_up(engine, num_requests: int = 2, prompt_len: int = 16, output_len: int
 
 
 def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = True,
-               desc: str = "requests", record_steps: bool = True) -> RunResult:
-    """Run ``workload`` through ``engine``; ``arrivals`` (s) default to all at time 0."""
+               desc: str = "requests", record_steps: bool = True,
+               on_step: Callable[[list], None] | None = None) -> RunResult:
+    """Run ``workload`` through ``engine``; ``arrivals`` (s) default to all at time 0.
+    ``on_step`` hears of each step that ran, with its outputs, right after it."""
     n = len(workload)
     arrivals = np.zeros(n) if arrivals is None else np.asarray(arrivals, dtype=float)
     if len(arrivals) != n:
@@ -144,8 +147,11 @@ def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = Tr
         before = engine.counters.steps
         outputs = engine.step()
         t = time.perf_counter() - t0
-        if record_steps and engine.counters.steps != before and engine.last_step is not None:
-            steps.append(StepRecord(t, engine.last_step))
+        if engine.counters.steps != before and engine.last_step is not None:
+            if record_steps:
+                steps.append(StepRecord(t, engine.last_step))
+            if on_step is not None:
+                on_step(outputs)
         for out in outputs:
             i = by_id.get(out.request_id)
             if i is None:

@@ -107,6 +107,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
+        self.last_schedule: SchedulerOutput | None = None  # what that step ran (the live view reads it)
         self._phase_times = {"schedule": 0.0, "update+detokenize": 0.0}
         logger.info(
             "model %s (%s, %.1fM parameters, %s) on %s; KV pool %d blocks x %d tokens; context %d",
@@ -365,6 +366,7 @@ class LLMEngine:
         c.draft_tokens += out.num_draft_tokens
         c.accepted_draft_tokens += accepted
         c.speculative_steps += len(drafting)
+        self.last_schedule = out
         self.last_step = StepStats(
             num_requests=len(out.num_scheduled_tokens), num_tokens=out.total_num_scheduled_tokens,
             num_prefill_tokens=out.num_prefill_tokens, num_decodes=out.num_decodes,

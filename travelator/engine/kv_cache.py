@@ -70,6 +70,11 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def count_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a prefix-cache entry (O(cached blocks): for views, not steps)."""
+        ref = self._ref_cnt
+        return sum(1 for b in self._cached.values() if ref[b] == 0)
+
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks

@@ -285,6 +285,7 @@ class SchedulerBase:
             out.num_decodes += 1
         else:
             out.num_prefill_tokens += num_new_tokens
+            out.prefill_request_ids.append(rid)
         if req.times.first_scheduled is None:
             req.times.first_scheduled = time.monotonic()
 

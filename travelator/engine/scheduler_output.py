@@ -41,6 +41,7 @@ class SchedulerOutput:
     num_preempted: int = 0
     num_decodes: int = 0  # requests computing their last sampled token (and drafts, if any)
     num_prefill_tokens: int = 0  # tokens of prompts, or of outputs being recomputed
+    prefill_request_ids: list[str] = field(default_factory=list)  # those computing such tokens
     # Speculative decoding: request id -> draft tokens computed after its last sampled token
     # (counted in its num_scheduled_tokens).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

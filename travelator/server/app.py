@@ -8,6 +8,8 @@ step loop on the serving event loop and stops it at shutdown. Routes:
 - ``GET /health`` (200 while the step loop runs, 503 when it died, when a step has run past
   ``settings.step_timeout_s``, or when the server is draining)
 - ``GET /metrics`` (Prometheus text, this app's own registry)
+- ``GET /dashboard`` (the live view of the batch, step by step) and ``GET /dashboard/stream``
+  (its records, server-sent events): see ``travelator/dashboard/``
 - ``GET /debug/engine`` only with ``settings.enable_debug_endpoints``: the engine's self-check
   (KV blocks free, used and per owner, queues, the pool's consistency check, leaks), read on the
   step thread between two steps
@@ -36,7 +38,11 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
+from travelator.dashboard.feed import StepFeed
+from travelator.dashboard.routes import dashboard_routes
 from travelator.engine.async_engine import AsyncEngine
+from travelator.engine.engine import LLMEngine
+from travelator.engine.walkway import WalkwayRecorder
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
@@ -150,10 +156,12 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     metrics = ServerMetrics(async_engine, names[0])
     async_engine.step_listeners.append(metrics.on_step)
     serving = OpenAIServing(async_engine, settings, metrics, names)
+    feed = StepFeed()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         serving.loop = asyncio.get_running_loop()
+        feed.bind(serving.loop)
         if not async_engine.healthy and async_engine.error is None:
             async_engine.start()
         logger.info("serving %s (context %d tokens)", ", ".join(names), engine.max_model_len)
@@ -180,7 +188,27 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.include_router(_v1_routes(serving, require_api_key))
     app.include_router(_tokenizer_routes(serving, require_api_key))
     _add_operator_routes(app, serving, require_api_key)
+    if settings.dashboard:
+        app.include_router(_dashboard(async_engine, settings, metrics, feed))
     return app
+
+
+def _dashboard(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+               feed: StepFeed) -> APIRouter:
+    """The live view: a recorder on the step thread publishes each step to ``feed``."""
+    engine = async_engine.engine
+    if not isinstance(engine, LLMEngine):  # the disaggregated front end: no batch of its own
+        return dashboard_routes(feed, {}, settings.api_key, unavailable=(
+            "the live view shows one engine's batch; with --disaggregate each worker has its own "
+            "(see /metrics for per-worker figures)"))
+    recorder = WalkwayRecorder(engine, show_prompts=settings.dashboard_show_prompts,
+                               rejected=lambda: metrics.num_rejected)
+
+    def publish(stats, outputs) -> None:
+        feed.publish(recorder.record(outputs))
+
+    async_engine.step_listeners.append(publish)
+    return dashboard_routes(feed, recorder.info(), settings.api_key)
 
 
 def _tokenizer_routes(serving: OpenAIServing, require_api_key) -> APIRouter:

@@ -129,6 +129,7 @@ class ServerMetrics:
         self._rejected = Counter(f"{_PREFIX}_requests_rejected", "Requests refused before reaching the engine.",
                                  ["model_name", "reason"], registry=reg)
         self._model_name = name
+        self.num_rejected = 0  # the counter's total, for the live view
 
     # Runs on the step thread after each step: quick, and prometheus-client is thread-safe.
     def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
@@ -154,6 +155,7 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self._model_name, reason).inc()
+        self.num_rejected += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,10 @@ class ServerSettings:
     # (<tool_call>{...}</tool_call>), "llama3_json" ({"name": ..., "parameters": ...}), or
     # "auto": from the chat template (Hermes tags where it has them).
     tool_call_parser: str = "auto"
+    # GET /dashboard, the live view, and its stream /dashboard/stream (needing the API key when
+    # there is one). Prompts' text is shown there only when allowed.
+    dashboard: bool = True
+    dashboard_show_prompts: bool = False
 
     def validate(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:

@@ -1,0 +1,86 @@
+"""The per-step records of the live view, from the step thread to any number of readers.
+
+The step thread appends to one bounded ring and never waits on a reader: a reader that falls
+further behind than the ring holds (a stalled browser) is told how many records it missed and
+goes on from the oldest one kept. Each record is encoded to JSON once, by the first reader
+that wants it, on the event loop, never on the step thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Entry:
+    seq: int
+    record: dict
+    encoded: str | None = None
+
+
+class StepFeed:
+    def __init__(self, capacity: int = 1024) -> None:
+        if capacity < 1:
+            raise ValueError("the feed needs room for at least one record")
+        self.capacity = capacity
+        self._ring: deque[_Entry] = deque(maxlen=capacity)
+        self._lock = threading.Lock()  # held for an append or a slice, never across a wait
+        self._last_seq = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._news: asyncio.Event | None = None
+        self.readers = 0  # open streams (read on the step thread without the lock: a hint)
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Readers wait on this loop (the server's)."""
+        self._loop = loop
+        self._news = asyncio.Event()
+
+    # ---- the step thread -------------------------------------------------------------------
+    def publish(self, record: dict) -> None:
+        with self._lock:
+            self._last_seq += 1
+            record["seq"] = self._last_seq
+            self._ring.append(_Entry(self._last_seq, record))
+        loop = self._loop
+        if loop is not None and self.readers:
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop has closed: the server is going away
+                pass
+
+    # ---- readers, on the event loop --------------------------------------------------------
+    def _wake(self) -> None:
+        news, self._news = self._news, asyncio.Event()
+        news.set()
+
+    def since(self, seq: int) -> tuple[list[tuple[int, str]], int]:
+        """Records after ``seq`` still kept, encoded, and how many after it are gone already."""
+        with self._lock:
+            if not self._ring or self._last_seq <= seq:
+                return [], 0
+            first = self._ring[0].seq
+            start = max(seq + 1, first)
+            entries = [self._ring[i] for i in range(start - first, len(self._ring))]
+        for entry in entries:
+            if entry.encoded is None:
+                entry.encoded = json.dumps(entry.record, separators=(",", ":"))
+        return [(e.seq, e.encoded) for e in entries], start - (seq + 1)
+
+    async def wait_after(self, seq: int, timeout_s: float) -> bool:
+        """Until a record after ``seq`` is published (True) or ``timeout_s`` passes (False)."""
+        if self._last_seq > seq:
+            return True
+        news = self._news
+        try:
+            await asyncio.wait_for(news.wait(), timeout_s)
+        except TimeoutError:
+            return self._last_seq > seq
+        return True

@@ -1,0 +1,113 @@
+"""``/dashboard`` (the page) and ``/dashboard/stream`` (its records, server-sent events).
+
+The stream: first an ``info`` event (model, seats, pool size), then one ``message`` event per
+step whose data is a walkway record (``engine/walkway.py``) with its ``seq``; a ``dropped``
+event says how many records a slow reader missed; a comment line every 15 s keeps idle
+connections open. ``?after=N`` resumes after record N (an EventSource sends
+``Last-Event-ID`` on its own); a new stream starts ``backlog`` records back, so the page
+fills at once.
+
+With an API key, both need it: ``Authorization: Bearer <key>``, or the cookie the page's login
+form sets (the key is asked for once; the cookie holds an HMAC of it, never the key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+
+from travelator.dashboard.feed import StepFeed
+from travelator.dashboard.page import login_page, render_page
+from travelator.server.errors import APIError
+
+COOKIE = "travelator_dashboard"
+HEARTBEAT_S = 15.0
+BACKLOG = 300
+
+
+class DashboardAuth:
+    def __init__(self, api_key: str | None) -> None:
+        self.api_key = api_key
+        self.cookie = None if api_key is None else hmac.new(
+            secrets.token_bytes(32), api_key.encode(), hashlib.sha256).hexdigest()
+
+    def allowed(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return True
+        return secrets.compare_digest(request.cookies.get(COOKIE, "").encode(), self.cookie.encode())
+
+    def check_key(self, key: str) -> bool:
+        return self.api_key is not None and secrets.compare_digest(key.encode(), self.api_key.encode())
+
+
+def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailable: str | None = None) -> APIRouter:
+    """``info``: the recorder's fixed facts. ``unavailable``: why there is no live view (the
+    routes then answer 404 with it)."""
+    router = APIRouter(prefix="/dashboard", include_in_schema=False)
+    auth = DashboardAuth(api_key)
+
+    @router.get("")
+    async def page(request: Request) -> Response:
+        if unavailable is not None:
+            raise APIError(404, unavailable, code="dashboard_unavailable")
+        if not auth.allowed(request):
+            return HTMLResponse(login_page(), status_code=401)
+        return HTMLResponse(render_page(), headers={"Cache-Control": "no-store"})
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        body = (await request.body())[:4096].decode("utf-8", "replace")
+        key = parse_qs(body).get("key", [""])[0]
+        if not auth.check_key(key):
+            return HTMLResponse(login_page(error="That key is not the server's."), status_code=401)
+        response = RedirectResponse("/dashboard", status_code=303)
+        response.set_cookie(COOKIE, auth.cookie, httponly=True, samesite="strict", path="/dashboard")
+        return response
+
+    @router.get("/stream")
+    async def stream(request: Request) -> Response:
+        if unavailable is not None:
+            raise APIError(404, unavailable, code="dashboard_unavailable")
+        if not auth.allowed(request):
+            raise APIError(401, "missing or wrong API key: log in at /dashboard, or send "
+                                "'Authorization: Bearer <key>'", code="invalid_api_key")
+        resume = request.query_params.get("after") or request.headers.get("last-event-id")
+        after = int(resume) if resume and resume.isdigit() else max(0, feed.last_seq - BACKLOG)
+        return StreamingResponse(_events(feed, info, after), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    @router.get("/info")
+    async def get_info(request: Request) -> Response:
+        if unavailable is not None:
+            raise APIError(404, unavailable, code="dashboard_unavailable")
+        if not auth.allowed(request):
+            raise APIError(401, "missing or wrong API key", code="invalid_api_key")
+        return JSONResponse(info)
+
+    return router
+
+
+async def _events(feed: StepFeed, info: dict, after: int):
+    feed.readers += 1
+    try:
+        yield f"event: info\ndata: {json.dumps(info)}\n\n"
+        while True:
+            records, dropped = feed.since(after)
+            if dropped:
+                yield f"event: dropped\ndata: {dropped}\n\n"
+            if records:
+                after = records[-1][0]
+                yield "".join(f"id: {seq}\ndata: {data}\n\n" for seq, data in records)
+            elif not await feed.wait_after(after, HEARTBEAT_S):
+                yield ": idle\n\n"
+    finally:
+        feed.readers -= 1
