@@ -3,7 +3,9 @@
 The step thread appends to one bounded ring and never waits on a reader: a reader that falls
 further behind than the ring holds (a stalled browser) is told how many records it missed and
 goes on from the oldest one kept. Each record is encoded to JSON once, by the first reader
-that wants it, on the event loop, never on the step thread.
+that wants it, on the event loop, never on the step thread. The step thread wakes the event
+loop only when some reader is waiting for news, and at most once until that wake has run:
+readers take what came in batches, so a fast engine does not wake the loop at every step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ class StepFeed:
         self._last_seq = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._news: asyncio.Event | None = None
-        self.readers = 0  # open streams (read on the step thread without the lock: a hint)
+        self.closed = False
+        self._waiting = 0  # readers waiting for news (the step thread reads it without the lock)
+        self._wake_scheduled = False
 
     @property
     def last_seq(self) -> int:
@@ -50,14 +54,22 @@ class StepFeed:
             record["seq"] = self._last_seq
             self._ring.append(_Entry(self._last_seq, record))
         loop = self._loop
-        if loop is not None and self.readers:
+        if loop is not None and self._waiting and not self._wake_scheduled:
+            self._wake_scheduled = True
             try:
                 loop.call_soon_threadsafe(self._wake)
             except RuntimeError:  # the loop has closed: the server is going away
                 pass
 
     # ---- readers, on the event loop --------------------------------------------------------
+    def close(self) -> None:
+        """The server is shutting down: streams end (after what they have not sent yet)."""
+        self.closed = True
+        if self._news is not None:
+            self._wake()
+
     def _wake(self) -> None:
+        self._wake_scheduled = False
         news, self._news = self._news, asyncio.Event()
         news.set()
 
@@ -76,11 +88,13 @@ class StepFeed:
 
     async def wait_after(self, seq: int, timeout_s: float) -> bool:
         """Until a record after ``seq`` is published (True) or ``timeout_s`` passes (False)."""
-        if self._last_seq > seq:
-            return True
-        news = self._news
+        self._waiting += 1  # before the check: a record published after it wakes us
         try:
-            await asyncio.wait_for(news.wait(), timeout_s)
+            if self._last_seq > seq or self.closed:
+                return self._last_seq > seq
+            await asyncio.wait_for(self._news.wait(), timeout_s)
         except TimeoutError:
-            return self._last_seq > seq
-        return True
+            pass
+        finally:
+            self._waiting -= 1
+        return self._last_seq > seq

@@ -13,6 +13,7 @@ form sets (the key is asked for once; the cookie holds an HMAC of it, never the 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -28,6 +29,7 @@ from travelator.server.errors import APIError
 
 COOKIE = "travelator_dashboard"
 HEARTBEAT_S = 15.0
+BATCH_S = 0.05  # a stream sends at most 20 writes a second, each with every step since the last
 BACKLOG = 300
 
 
@@ -97,17 +99,17 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
 
 
 async def _events(feed: StepFeed, info: dict, after: int):
-    feed.readers += 1
-    try:
-        yield f"event: info\ndata: {json.dumps(info)}\n\n"
-        while True:
-            records, dropped = feed.since(after)
-            if dropped:
-                yield f"event: dropped\ndata: {dropped}\n\n"
-            if records:
-                after = records[-1][0]
-                yield "".join(f"id: {seq}\ndata: {data}\n\n" for seq, data in records)
-            elif not await feed.wait_after(after, HEARTBEAT_S):
-                yield ": idle\n\n"
-    finally:
-        feed.readers -= 1
+    yield f"event: info\ndata: {json.dumps(info)}\n\n"
+    while True:
+        closed = feed.closed  # read first: what was published before the close still goes out
+        records, dropped = feed.since(after)
+        if dropped:
+            yield f"event: dropped\ndata: {dropped}\n\n"
+        if records:
+            after = records[-1][0]
+            yield "".join(f"id: {seq}\ndata: {data}\n\n" for seq, data in records)
+            await asyncio.sleep(BATCH_S)  # let steps gather: one write for many of them
+        elif closed:
+            return
+        elif not await feed.wait_after(after, HEARTBEAT_S):
+            yield ": idle\n\n"

@@ -168,6 +168,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         try:
             yield
         finally:
+            feed.close()
             serving.draining = True
             async_engine.stop_accepting()
             async_engine.abort_all()
@@ -190,6 +191,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     _add_operator_routes(app, serving, require_api_key)
     if settings.dashboard:
         app.include_router(_dashboard(async_engine, settings, metrics, feed))
+        serving.on_shutdown.append(feed.close)  # its streams never end by themselves
     return app
 
 

@@ -64,6 +64,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.draining = False
+        self.on_shutdown: list[Callable[[], None]] = []  # run (on the event loop) when draining begins
         self.loop: asyncio.AbstractEventLoop | None = None
         self.constraints = ConstraintCompiler(self.engine.grammars, settings.grammar_compile_timeout_s)
         self.tool_call_format: ToolCallFormat = (
@@ -184,6 +185,8 @@ class OpenAIServing:
             return
         self.draining = True
         self.async_engine.stop_accepting()
+        for hook in self.on_shutdown:
+            hook()
         in_flight = self.async_engine.num_in_flight
         grace = self.settings.shutdown_grace_s
         logger.warning("shutting down: %d requests in flight get %.1f s to finish", in_flight, grace)

@@ -1,0 +1,166 @@
+"""GET /dashboard and its stream /dashboard/stream on a real server (stories260K, in-process):
+the records against what the clients got, resuming, the API key, and a client that opens the
+stream and never reads it. The page itself, in a browser: test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+
+import httpx
+from live import serve_in_thread
+from paths import STORIES, needs_stories
+
+from travelator import LLM
+from travelator.engine.async_engine import AsyncEngine
+from travelator.server.app import build_app
+from travelator.server.settings import ServerSettings
+
+ENGINE = dict(dtype="float32", max_num_seqs=2, block_size=8)
+
+
+def serve(**settings):
+    engine = AsyncEngine(LLM(str(STORIES), **ENGINE).engine)
+    return serve_in_thread(build_app(engine, ServerSettings(**settings)))
+
+
+def complete(url: str, prompt: str, max_tokens: int, headers=None) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120, headers=headers, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+
+def read_events(response: httpx.Response, until) -> list[tuple[str, str]]:
+    """(event, data) pairs of a server-sent event stream until ``until(events)`` holds."""
+    events, event, data = [], "message", []
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif line == "" and data:
+            events.append((event, "\n".join(data)))
+            event, data = "message", []
+            if until(events):
+                return events
+    raise AssertionError(f"the stream ended after {len(events)} events")
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+@needs_stories
+def test_the_stream_follows_the_batch_and_resumes():
+    with serve() as url:
+        steps_before = metric(url, "travelator_engine_steps_total")
+        with httpx.stream("GET", f"{url}/dashboard/stream", timeout=60) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            lengths = {"Once upon a time": 12, "The little dog": 7, "Lily and Tom": 3}
+            answers = {}
+
+            def send(prompt, n):
+                answers[prompt] = complete(url, prompt, n).json()
+
+            threads = [threading.Thread(target=send, args=item) for item in lengths.items()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            steps = metric(url, "travelator_engine_steps_total") - steps_before
+            events = read_events(stream, lambda ev: sum(e == "message" for e, _ in ev) == steps)
+        info = json.loads(events[0][1])
+        assert events[0][0] == "info" and info["max_num_seqs"] == 2 and info["block_size"] == 8
+        records = [json.loads(d) for e, d in events if e == "message"]
+        assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+        ids = {a["id"] + "-0" for a in answers.values()}
+        joined = [rid for r in records for rid in r["joined"]]
+        left = {rid: why for r in records for rid, _, why in r["left"]}
+        assert sorted(joined) == sorted(ids) and left == {rid: "length" for rid in ids}
+        # Every token the clients got was generated in some step of the stream.
+        assert sum(r["generated"] for r in records) == sum(lengths.values()) == sum(
+            a["usage"]["completion_tokens"] for a in answers.values())
+        assert max(len(r["seats"]) for r in records) == 2 and records[-1]["kv"]["used"] == 0
+        finished = {f[0]: f for r in records for f in r["finished"]}
+        assert {rid: f[4] for rid, f in finished.items()} == {
+            a["id"] + "-0": a["usage"]["completion_tokens"] for a in answers.values()}
+        # A reader that comes back after record 3 gets 4, 5, ...
+        with httpx.stream("GET", f"{url}/dashboard/stream?after=3", timeout=60) as again:
+            resumed = read_events(again, lambda ev: len(ev) >= 3)
+        assert [json.loads(d)["seq"] for _, d in resumed[1:]] == [4, 5]
+
+
+@needs_stories
+def test_the_dashboard_needs_the_key_when_the_server_has_one():
+    with serve(api_key="sesame") as url:
+        page = httpx.get(f"{url}/dashboard")
+        assert page.status_code == 401 and 'name="key"' in page.text and "TRAVELATOR_REPLAY" not in page.text
+        assert httpx.get(f"{url}/dashboard/stream").status_code == 401
+        assert httpx.get(f"{url}/dashboard/info").status_code == 401
+        wrong = httpx.post(f"{url}/dashboard/login", data={"key": "open"})
+        assert wrong.status_code == 401 and "not the server" in wrong.text
+        with httpx.Client(base_url=url) as browser:  # keeps the cookie, as a browser does
+            ok = browser.post("/dashboard/login", data={"key": "sesame"})
+            assert ok.status_code == 303 and ok.headers["location"] == "/dashboard"
+            assert "sesame" not in ok.headers["set-cookie"]
+            page = browser.get("/dashboard")
+            assert page.status_code == 200 and "EventSource" in page.text
+            assert browser.get("/dashboard/info").json()["max_num_seqs"] == 2
+        bearer = {"Authorization": "Bearer sesame"}
+        with httpx.stream("GET", f"{url}/dashboard/stream", headers=bearer, timeout=30) as stream:
+            assert stream.status_code == 200
+            assert read_events(stream, lambda ev: True)[0][0] == "info"
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is as closed as before
+
+
+@needs_stories
+def test_no_dashboard_when_turned_off():
+    with serve(dashboard=False) as url:
+        assert httpx.get(f"{url}/dashboard").status_code == 404
+        assert httpx.get(f"{url}/dashboard/stream").status_code == 404
+        assert complete(url, "Once upon a time", 3).status_code == 200
+
+
+def _mean_step_s(url: str, prompts: list[str], n: int) -> float:
+    count0, sum0 = (metric(url, f"travelator_step_duration_seconds_{k}") for k in ("count", "sum"))
+    threads = [threading.Thread(target=complete, args=(url, p, n)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    count1, sum1 = (metric(url, f"travelator_step_duration_seconds_{k}") for k in ("count", "sum"))
+    return (sum1 - sum0) / (count1 - count0)
+
+
+@needs_stories
+def test_a_stalled_reader_does_not_slow_the_engine():
+    """Rounds with and without a reader that opened the stream and never reads a byte (its
+    socket buffers fill, then the server's writes to it wait), taken in turns: the step thread
+    never waits on a reader, so the step time stays put. Steps here take a few ms (a tiny
+    model), so what a step costs outside the model shows up; the bound is loose for this
+    machine's noise (a step thread that waited on the reader would stop outright)."""
+    prompts = ["Once upon a time", "The little dog"]
+    with serve(dashboard_show_prompts=True) as url:
+        _mean_step_s(url, prompts, 50)  # warm
+        host, port = url.removeprefix("http://").split(":")
+        alone, stalled = [], []
+        for _ in range(5):
+            alone.append(_mean_step_s(url, prompts, 150))
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect((host, int(port)))
+            reader.sendall(b"GET /dashboard/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                stalled.append(_mean_step_s(url, prompts, 150))
+                # ... and a reader that does read still gets the newest steps.
+                with httpx.stream("GET", f"{url}/dashboard/stream", timeout=30) as stream:
+                    events = read_events(stream, lambda ev: len(ev) >= 2)
+                assert json.loads(events[1][1])["step"] > 0
+            finally:
+                reader.close()
+        ratio = statistics.median(stalled) / statistics.median(alone)
+        assert ratio < 2.0, (ratio, alone, stalled)
