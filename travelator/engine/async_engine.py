@@ -73,6 +73,9 @@ class AsyncEngine:
         self._accepting = True
         # Called on the step thread after every step (metrics); must be quick and thread-safe.
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        # Called on the step thread when the loop runs out of work (after its last step, or
+        # after aborts that emptied it), once each time, before it waits for a command.
+        self.idle_listeners: list[Callable[[], None]] = []
         # Called once on the step thread when the loop dies, with the exception; must be quick.
         self.death_listeners: list[Callable[[BaseException], None]] = []
         # Prometheus collectors of figures beyond the engine's own (none here).
@@ -199,14 +202,19 @@ class AsyncEngine:
 
     # ---- the step thread --------------------------------------------------------------
     def _run(self) -> None:
+        busy = False
         try:
             while True:
                 # Idle: wait for a command. Holding requests back (dynamic batching): wait
                 # for a command or the end of the hold, whichever comes first.
                 if self.engine.has_unfinished_requests():
                     wait = self.engine.seconds_until_admission() or 0.0
+                    busy = True
                 else:
                     wait = None
+                    if busy:
+                        busy = False
+                        call_listeners(self.idle_listeners, "idle")
                 if not self._drain_commands(wait):
                     return
                 if self.engine.has_unfinished_requests():

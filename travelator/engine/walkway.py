@@ -50,10 +50,12 @@ class WalkwayRecorder:
                 "block_size": e.kv.block_size, "batching": e.config.scheduler.batching,
                 "show_prompts": self.show_prompts}
 
-    def record(self, outputs) -> dict:
-        """The step that just ran (``engine.last_step``) and the outputs it produced."""
+    def record(self, outputs, *, idle: bool = False) -> dict:
+        """The step that just ran (``engine.last_step``) and the outputs it produced; with
+        ``idle``, no step: the engine has run out of work (aborts may have emptied the batch),
+        and the record says so, so that a view does not keep showing the last busy step."""
         e, sched = self.engine, self.engine.scheduler
-        stats, out = e.last_step, e.last_schedule
+        stats, out = (None, None) if idle else (e.last_step, e.last_schedule)
         now = self.clock()
         finished = {o.request_id: o for o in outputs if o.finished}
         running = {r.request_id: r for r in sched.running}
@@ -88,7 +90,7 @@ class WalkwayRecorder:
         waiting = list(sched.waiting)
         t_mono = time.monotonic()
         kv = e.kv
-        if now - self._kv_at >= self.kv_refresh_s:
+        if idle or now - self._kv_at >= self.kv_refresh_s:  # at rest it is exact
             self._cached_free, self._kv_at = kv.count_cached_free_blocks(), now
         cached_free = min(self._cached_free, kv.num_free_blocks)
         return {
@@ -104,7 +106,7 @@ class WalkwayRecorder:
             "kv": {"used": kv.num_used_blocks, "cached_free": cached_free,
                    "free": kv.num_free_blocks - cached_free, "total": kv.num_blocks},
             "admitted_total": self.admitted, "rejected_total": self.rejected(),
-            "preemptions_total": e.counters.preemptions, "prompts": prompts,
+            "preemptions_total": e.counters.preemptions, "prompts": prompts, "idle": idle,
         }
 
     def _release(self, request_ids: list[str], finished: dict) -> list[list]:

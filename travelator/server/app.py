@@ -210,6 +210,7 @@ def _dashboard(async_engine: AsyncEngine, settings: ServerSettings, metrics: Ser
         feed.publish(recorder.record(outputs))
 
     async_engine.step_listeners.append(publish)
+    async_engine.idle_listeners.append(lambda: feed.publish(recorder.record([], idle=True)))
     return dashboard_routes(feed, recorder.info(), settings.api_key)
 
 

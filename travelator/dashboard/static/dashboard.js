@@ -96,7 +96,7 @@ class Panel {
   }
   geometry() {
     const seats = this.info ? this.info.max_num_seqs : 1;
-    const rowH = Math.max(3, Math.min(14, Math.floor(420 / seats)));
+    const rowH = Math.max(3, Math.min(24, Math.floor(420 / seats)));
     return { seats, rowH, width: this.canvas.clientWidth || 800, height: seats * rowH };
   }
   render() {
@@ -165,8 +165,9 @@ class Panel {
     const sum = (f) => r.reduce((a, rec) => a + f(rec), 0);
     set("tok-s", fmt(per(sum((rec) => rec.generated)), 0));
     set("req-s", fmt(per(sum((rec) => rec.finished.length)), 2));
-    set("steps-s", fmt(per(r.length - 1), 1));
-    set("step-ms", fmt(quantile(r.map((rec) => rec.ms), 0.5), 1, " ms"));
+    const stepped = r.filter((rec) => !rec.idle);  // an idle record marks the walkway empty: no step
+    set("steps-s", fmt(per(stepped.length - 1), 1));
+    set("step-ms", fmt(quantile(stepped.map((rec) => rec.ms), 0.5), 1, " ms"));
     const done = r.flatMap((rec) => rec.finished);
     const ttft = done.map((f) => f[1]).filter((v) => v !== null);
     const tpot = done.map((f) => f[2]).filter((v) => v !== null);
@@ -184,7 +185,7 @@ class Panel {
     const [, id, kind, tokens] = here;
     const info = rec.requests[id] || [];
     const what = { p: "prefill chunk", d: "decode", i: "seated, not scheduled" }[kind];
-    let text = `${id}\nstep ${rec.step}: ${what}, ${tokens} tokens\n` +
+    let text = `${id}\nstep ${rec.step}: ${what}, ${tokens} token${tokens === 1 ? "" : "s"}\n` +
       `prompt ${info[0]} tokens · output ${info[1]} so far\nstate ${info[2]}` +
       (info[3] ? ` · priority ${info[3]}` : "") + ` · ${info[4]} KV blocks`;
     if (this.prompts.has(id)) text += `\n\n${this.prompts.get(id)}`;
