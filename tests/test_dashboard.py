@@ -92,6 +92,12 @@ def test_the_stream_follows_the_batch_and_resumes():
         with httpx.stream("GET", f"{url}/dashboard/stream?after=3", timeout=60) as again:
             resumed = read_events(again, lambda ev: len(ev) >= 3)
         assert [json.loads(d)["seq"] for _, d in resumed[1:]] == [4, 5]
+        # One that asks for more than there is (it saw a server that has since restarted)
+        # starts over, from the oldest record of the backlog.
+        with httpx.stream("GET", f"{url}/dashboard/stream", headers={"Last-Event-ID": "99999"},
+                          timeout=60) as again:
+            resumed = read_events(again, lambda ev: len(ev) >= 2)
+        assert json.loads(resumed[1][1])["seq"] == 1
 
 
 @needs_stories

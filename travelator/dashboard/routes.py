@@ -83,7 +83,9 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
             raise APIError(401, "missing or wrong API key: log in at /dashboard, or send "
                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
         resume = request.query_params.get("after") or request.headers.get("last-event-id")
-        after = int(resume) if resume and resume.isdigit() else max(0, feed.last_seq - BACKLOG)
+        after = int(resume) if resume and resume.isdigit() else -1
+        if not 0 <= after <= feed.last_seq:  # a new reader, or one from before a restart
+            after = max(0, feed.last_seq - BACKLOG)
         return StreamingResponse(_events(feed, info, after), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 

@@ -213,7 +213,14 @@ function startLive() {
   const source = new EventSource("/dashboard/stream");
   source.addEventListener("info", (ev) => panel.setInfo(JSON.parse(ev.data)));
   source.addEventListener("dropped", (ev) => { panel.dropped += Number(ev.data); });
-  source.onmessage = (ev) => { panel.push(JSON.parse(ev.data)); count++; };
+  let lastSeq = 0;
+  source.onmessage = (ev) => {
+    const rec = JSON.parse(ev.data);
+    if (rec.seq <= lastSeq) panel.reset();  // the server restarted: its steps count from 1 again
+    lastSeq = rec.seq;
+    panel.push(rec);
+    count++;
+  };
   source.onerror = () => { statusLine.textContent = "connection lost: reconnecting…"; };
   setInterval(() => {
     const now = performance.now(), rate = count * 1000 / (now - since);
