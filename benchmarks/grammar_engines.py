@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -27,6 +26,7 @@ import llguidance.torch
 import torch
 import xgrammar
 
+from travelator.model.device import cpu_model_name
 from travelator.model.tokenizer import Tokenizer
 
 VOCAB, BATCH, STEPS = 32000, 32, 60
@@ -113,17 +113,11 @@ def walk(engine, grammar, structure: set[int], seed: int) -> list[float]:
     return times[1:]
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                    platform.machine())
-
-
 def main() -> None:
     tk = Tokenizer.byte_level(VOCAB)
     structure = {t for t in range(VOCAB) if tk.decode([t]) in ('"', ",", "]", "}", ", ")} | set(tk.eos_token_ids)
     engines = {"llguidance": Llguidance(tk), "xgrammar": Xgrammar(tk)}
-    print(f"{cpu_model()}, load average {os.getloadavg()[0]:.2f}; llguidance {version('llguidance')}, "
+    print(f"{cpu_model_name()}, load average {os.getloadavg()[0]:.2f}; llguidance {version('llguidance')}, "
           f"xgrammar {version('xgrammar')}; {BATCH} rows, {STEPS} steps, vocabulary {VOCAB}")
     for name, schema in SCHEMAS.items():
         compile_ms = {e: [] for e in engines}

@@ -15,24 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
 import torch
 
+from travelator.model.device import cpu_model_name
 from travelator.model.ops import NativeOps, TorchOps
 from travelator.model.quant import quantize
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def timed(call, repeats: int) -> float:
@@ -54,7 +44,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    print(f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f}; weight [{args.out_features}, {args.in_features}] x "
           f"{args.copies} copies", flush=True)
     g = torch.Generator().manual_seed(0)

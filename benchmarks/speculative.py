@@ -19,16 +19,12 @@ import statistics
 import time
 
 from travelator import LLM, SamplingParams
+from travelator.model.device import cpu_model_name
 
 OPENINGS = ["Once upon a time", "Tom and his dog", "Lily saw a big", "The sun was", "One day, a little",
             "Sam had a red", "The cat and the", "Mia went to the"]
 SETTINGS = {"off": {}, "fixed k=4": dict(speculative_method="ngram", speculative_policy="fixed"),
             "adaptive": dict(speculative_method="ngram", speculative_policy="adaptive")}
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
 
 
 def copy_prompts(model: str, dtype: str, n: int) -> list[list[int]]:
@@ -70,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     engines = {name: LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batches), **kw)
                for name, kw in SETTINGS.items()}
-    print(f"{cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {args.model} "
+    print(f"{cpu_model_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; {args.model} "
           f"{args.dtype}, greedy, {args.max_tokens} tokens a request, medians of {args.repeats}")
     print(f"{'batch':>5}  {'setting':<10} {'tok/s':>8} {'TPOT ms':>8} {'x off':>6}  accepted per drafted step")
     for batch in args.batches:

@@ -27,6 +27,15 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name (``lscpu``'s "Model name"), for the figures a benchmark prints."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
 def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     """"auto" keeps a float32 checkpoint in float32 and otherwise prefers bfloat16
     where the hardware runs it natively (CUDA, CPUs with AVX-512/AMX)."""
