@@ -45,6 +45,21 @@ def test_bench_compare_writes_json_and_pngs(tmp_path, capsys):
         assert busy and max(busy) <= 4
     for name in ("latency_vs_throughput.png", "batch_occupancy.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    # walkway.html replays the occupancy rate's runs (inf, the highest): one record per step
+    # the runner counted, each request joining once.
+    replay = replay_data((out / "walkway.html").read_text())
+    assert [p["name"] for p in replay["panels"]] == ["static", "iteration"]
+    for panel in replay["panels"]:
+        records = panel["records"]
+        assert len(records) == len(trace["steps"][panel["name"]]["num_requests"])
+        assert [r["seats"] and len(r["seats"]) for r in records] == trace["steps"][panel["name"]]["num_requests"]
+        joined = [rid for r in records for rid in r["joined"]]
+        assert len(joined) == len(set(joined)) == 5 and panel["info"]["max_num_seqs"] == 4
+
+
+def replay_data(page: str) -> dict:
+    start = page.index("window.TRAVELATOR_REPLAY = ") + len("window.TRAVELATOR_REPLAY = ")
+    return json.loads(page[start:page.index(";\n", start)])
 
 
 def test_bench_compare_every_batching_mode(tmp_path, capsys):

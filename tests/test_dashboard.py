@@ -72,11 +72,14 @@ def test_the_stream_follows_the_batch_and_resumes():
             for t in threads:
                 t.join()
             steps = metric(url, "travelator_engine_steps_total") - steps_before
-            events = read_events(stream, lambda ev: sum(e == "message" for e, _ in ev) == steps)
+            # One record per step, and one more each time the engine ran out of work.
+            events = read_events(stream, lambda ev: sum(
+                e == "message" and not json.loads(d)["idle"] for e, d in ev) == steps)
         info = json.loads(events[0][1])
         assert events[0][0] == "info" and info["max_num_seqs"] == 2 and info["block_size"] == 8
         records = [json.loads(d) for e, d in events if e == "message"]
         assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+        assert all(r["prompts"] == {} for r in records)  # no prompt text unless allowed
         ids = {a["id"] + "-0" for a in answers.values()}
         joined = [rid for r in records for rid in r["joined"]]
         left = {rid: why for r in records for rid, _, why in r["left"]}
@@ -92,12 +95,18 @@ def test_the_stream_follows_the_batch_and_resumes():
         with httpx.stream("GET", f"{url}/dashboard/stream?after=3", timeout=60) as again:
             resumed = read_events(again, lambda ev: len(ev) >= 3)
         assert [json.loads(d)["seq"] for _, d in resumed[1:]] == [4, 5]
-        # One that asks for more than there is (it saw a server that has since restarted)
-        # starts over, from the oldest record of the backlog.
-        with httpx.stream("GET", f"{url}/dashboard/stream", headers={"Last-Event-ID": "99999"},
-                          timeout=60) as again:
-            resumed = read_events(again, lambda ev: len(ev) >= 2)
-        assert json.loads(resumed[1][1])["seq"] == 1
+        # ... and an EventSource's Last-Event-ID resumes it the same way, from this server only:
+        # one it kept from a server since restarted (another instance), or past the last
+        # record, starts over from the oldest record of the backlog.
+        instance = info["instance"]
+        for last_id, first in ((f"{instance}-5", 6), ("0badc0de-5", 1), (f"{instance}-99999", 1), ("x", 1)):
+            with httpx.stream("GET", f"{url}/dashboard/stream", headers={"Last-Event-ID": last_id},
+                              timeout=60) as again:
+                resumed = read_events(again, lambda ev: len(ev) >= 2)
+            assert json.loads(resumed[1][1])["seq"] == first, last_id
+        with httpx.stream("GET", f"{url}/dashboard/stream", params={"after": "\u00b2"}, timeout=60) as odd:
+            assert odd.status_code == 200  # a "digit" int() refuses: read as no position at all
+            assert json.loads(read_events(odd, lambda ev: len(ev) >= 2)[1][1])["seq"] == 1
 
 
 @needs_stories
@@ -121,6 +130,20 @@ def test_the_dashboard_needs_the_key_when_the_server_has_one():
             assert stream.status_code == 200
             assert read_events(stream, lambda ev: True)[0][0] == "info"
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is as closed as before
+
+
+@needs_stories
+def test_prompt_text_only_when_allowed():
+    prompt = "Lily and Tom went to the park and"
+    with serve(dashboard_show_prompts=True) as url:
+        with httpx.stream("GET", f"{url}/dashboard/stream", timeout=60) as stream:
+            answer = complete(url, prompt + " " + "x" * 300, 2).json()  # past the 200 characters shown
+            rid = answer["id"] + "-0"
+            events = read_events(stream, lambda ev: any(rid in json.loads(d).get("joined", ())
+                                                       for e, d in ev if e == "message"))
+        joined = next(json.loads(d) for e, d in events if e == "message" and rid in json.loads(d)["joined"])
+        text = joined["prompts"][rid]
+        assert text.lstrip().startswith(prompt) and len(text) == 200
 
 
 @needs_stories

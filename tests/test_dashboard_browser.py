@@ -79,8 +79,8 @@ def test_the_live_view_in_a_browser(tmp_path):
     driver = browser()
     engine = AsyncEngine(LLM(str(STORIES), dtype="float32", max_num_seqs=2, block_size=8).engine)
     streams: list[httpx.Response] = []
-    try:
-        with serve_in_thread(build_app(engine, ServerSettings())) as url:
+    with serve_in_thread(build_app(engine, ServerSettings())) as url:
+        try:
             # Bands first: six short requests through the two seats.
             shorts = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs=dict(
                 timeout=60, json={"prompt": f"Once upon a time {i}", "max_tokens": 20, "ignore_eos": True}))
@@ -144,8 +144,34 @@ def test_the_live_view_in_a_browser(tmp_path):
             assert int(page["kv-cached"]) == server["travelator_kv_cache_cached_blocks"] > 0
             assert int(page["kv-free"]) == server["travelator_kv_cache_free_blocks"] - int(page["kv-cached"])
             client.close()
-            driver.quit()  # its stream open would keep the server from stopping
+        finally:  # before the server stops: an open stream would keep it from stopping
+            for s in streams:
+                s.close()
+            driver.quit()
+
+
+@needs_stories
+def test_a_benchmark_replay_in_a_browser(tmp_path):
+    """bench compare's walkway.html, opened from disk: both modes play to the end and show
+    every request of the run."""
+    from travelator.bench.cli import main
+
+    driver = browser()
+    try:
+        out = tmp_path / "cmp"
+        assert main(["compare", "--model", str(STORIES), "--max-num-seqs", "4", "--num-requests", "6",
+                     "--prompt-len-range", "4", "12", "--output-len-range", "4", "24", "--request-rates", "inf",
+                     "--no-progress", "--output-dir", str(out)]) == 0
+        driver.get((out / "walkway.html").as_uri())
+        deadline = time.monotonic() + 60
+        while "done" not in driver.find_element("id", "status").text:
+            assert time.monotonic() < deadline, driver.find_element("id", "status").text
+            time.sleep(0.1)
+        panels = driver.execute_script("""
+            return [...document.querySelectorAll('.panel')].map((p) => Object.fromEntries(
+              [...p.querySelectorAll('[data-field]')].map((el) => [el.dataset.field, el.textContent])));""")
+        assert [p["title"] for p in panels] == ["static", "iteration"]
+        for p in panels:
+            assert p["bands"] == "6" and p["admitted"] == "6" and p["seats-total"] == "4", p
     finally:
-        for s in streams:
-            s.close()
         driver.quit()

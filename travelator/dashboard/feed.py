@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ class StepFeed:
     def __init__(self, capacity: int = 1024) -> None:
         if capacity < 1:
             raise ValueError("the feed needs room for at least one record")
-        self.capacity = capacity
+        # Names this feed in event ids, so that a reader coming back to a restarted server
+        # is not resumed at a position of the old one's.
+        self.instance = secrets.token_hex(4)
         self._ring: deque[_Entry] = deque(maxlen=capacity)
         self._lock = threading.Lock()  # held for an append or a slice, never across a wait
         self._last_seq = 0
@@ -43,9 +46,11 @@ class StepFeed:
         return self._last_seq
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Readers wait on this loop (the server's)."""
+        """Readers wait on this loop (the server's), until ``close``."""
         self._loop = loop
         self._news = asyncio.Event()
+        self.closed = False
+        self._wake_scheduled = False
 
     # ---- the step thread -------------------------------------------------------------------
     def publish(self, record: dict) -> None:
@@ -67,6 +72,17 @@ class StepFeed:
         self.closed = True
         if self._news is not None:
             self._wake()
+
+    def close_soon(self) -> None:
+        """``close`` from any thread (the engine died: the server stops without draining)."""
+        loop = self._loop
+        if loop is None:
+            self.closed = True
+            return
+        try:
+            loop.call_soon_threadsafe(self.close)
+        except RuntimeError:  # the loop has closed already
+            self.closed = True
 
     def _wake(self) -> None:
         self._wake_scheduled = False

@@ -15,10 +15,12 @@ def render_page(replay: dict | None = None) -> str:
     a page that plays those records back, panels side by side."""
     page = (_STATIC / "dashboard.html").read_text()
     data = "" if replay is None else "window.TRAVELATOR_REPLAY = " + _script_json(replay) + ";"
-    # One replace each, in an order where no inserted text is searched again.
-    page = page.replace("/*DATA*/", data, 1)
-    page = page.replace("/*SCRIPT*/", (_STATIC / "dashboard.js").read_text(), 1)
-    return page.replace("/*STYLE*/", (_STATIC / "dashboard.css").read_text(), 1)
+    # The placeholders in the order they appear, each replaced once: no inserted text (the
+    # script, the data) is searched for the ones after it.
+    page = page.replace("/*STYLE*/", (_STATIC / "dashboard.css").read_text(), 1)
+    head, _, tail = page.partition("/*DATA*/")
+    tail = tail.replace("/*SCRIPT*/", (_STATIC / "dashboard.js").read_text(), 1)
+    return head + data + tail
 
 
 def _script_json(value) -> str:

@@ -67,6 +67,8 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
 
     @router.post("/login")
     async def login(request: Request) -> Response:
+        if auth.api_key is None:
+            return RedirectResponse("/dashboard", status_code=303)
         body = (await request.body())[:4096].decode("utf-8", "replace")
         key = parse_qs(body).get("key", [""])[0]
         if not auth.check_key(key):
@@ -82,10 +84,7 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
         if not auth.allowed(request):
             raise APIError(401, "missing or wrong API key: log in at /dashboard, or send "
                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
-        resume = request.query_params.get("after") or request.headers.get("last-event-id")
-        after = int(resume) if resume and resume.isdigit() else -1
-        if not 0 <= after <= feed.last_seq:  # a new reader, or one from before a restart
-            after = max(0, feed.last_seq - BACKLOG)
+        after = _resume_point(feed, request.query_params.get("after"), request.headers.get("last-event-id"))
         return StreamingResponse(_events(feed, info, after), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
@@ -100,8 +99,23 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
     return router
 
 
+def _resume_point(feed: StepFeed, after: str | None, last_event_id: str | None) -> int:
+    """The record a stream starts after: ``?after=N``, or an EventSource's Last-Event-ID
+    ("<instance>-<seq>", this feed's own only); otherwise the backlog."""
+    seq = -1
+    if after is not None and after.isascii() and after.isdigit() and len(after) < 19:
+        seq = int(after)
+    elif last_event_id:
+        instance, _, number = last_event_id.partition("-")
+        if instance == feed.instance and number.isascii() and number.isdigit() and len(number) < 19:
+            seq = int(number)
+    if 0 <= seq <= feed.last_seq:
+        return seq
+    return max(0, feed.last_seq - BACKLOG)
+
+
 async def _events(feed: StepFeed, info: dict, after: int):
-    yield f"event: info\ndata: {json.dumps(info)}\n\n"
+    yield f"event: info\ndata: {json.dumps({**info, 'instance': feed.instance})}\n\n"
     while True:
         closed = feed.closed  # read first: what was published before the close still goes out
         records, dropped = feed.since(after)
@@ -109,7 +123,7 @@ async def _events(feed: StepFeed, info: dict, after: int):
             yield f"event: dropped\ndata: {dropped}\n\n"
         if records:
             after = records[-1][0]
-            yield "".join(f"id: {seq}\ndata: {data}\n\n" for seq, data in records)
+            yield "".join(f"id: {feed.instance}-{seq}\ndata: {data}\n\n" for seq, data in records)
             await asyncio.sleep(BATCH_S)  # let steps gather: one write for many of them
         elif closed:
             return

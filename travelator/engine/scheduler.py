@@ -40,6 +40,7 @@ class SchedulerBase:
         # Finished requests whose blocks are kept until the engine has read them out.
         self._handoffs: list[Request] = []
         self.num_preemptions = 0
+        self.num_admitted = 0  # requests scheduled for the first time, so far
         self._arrivals = itertools.count()
         self.speculator = Speculator(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
@@ -288,6 +289,7 @@ class SchedulerBase:
             out.prefill_request_ids.append(rid)
         if req.times.first_scheduled is None:
             req.times.first_scheduled = time.monotonic()
+            self.num_admitted += 1
 
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput

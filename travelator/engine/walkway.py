@@ -39,7 +39,9 @@ class WalkwayRecorder:
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.seats: dict[str, int] = {}  # request id -> its seat
         self._free_seats = list(range(self.max_num_seqs - 1, -1, -1))  # a stack: lowest seat first
-        self.admitted = 0
+        # Totals count from here (an engine may have served before: a benchmark's warm-up).
+        self._admitted0 = engine.scheduler.num_admitted
+        self._preemptions0 = engine.counters.preemptions
         self._cached_free = 0
         self._kv_at = float("-inf")
 
@@ -71,10 +73,8 @@ class WalkwayRecorder:
                 self.seats[rid] = self._free_seats.pop()
                 joined.append(rid)
                 req = running.get(rid) or sched.requests.get(rid)
-                if req is None or req.num_preemptions == 0:
-                    self.admitted += 1
                 if self.show_prompts and (ids := _prompt_ids(req, finished.get(rid))):
-                    prompts[rid] = e.tokenizer.decode(ids)[:PROMPT_CHARS]
+                    prompts[rid] = e.tokenizer.decode(ids[:PROMPT_CHARS])[:PROMPT_CHARS]  # a token is a character or more
         seats, requests = [], {}
         for rid in members:
             n = scheduled.get(rid, 0)
@@ -105,8 +105,8 @@ class WalkwayRecorder:
             "oldest_wait_s": round(max((t_mono - r.times.arrival for r in waiting), default=0.0), 3),
             "kv": {"used": kv.num_used_blocks, "cached_free": cached_free,
                    "free": kv.num_free_blocks - cached_free, "total": kv.num_blocks},
-            "admitted_total": self.admitted, "rejected_total": self.rejected(),
-            "preemptions_total": e.counters.preemptions, "prompts": prompts, "idle": idle,
+            "admitted_total": sched.num_admitted - self._admitted0, "rejected_total": self.rejected(),
+            "preemptions_total": e.counters.preemptions - self._preemptions0, "prompts": prompts, "idle": idle,
         }
 
     def _release(self, request_ids: list[str], finished: dict) -> list[list]:
@@ -125,9 +125,7 @@ class WalkwayRecorder:
             return output.finish_reason or "finished"
         if req is not None and req.status == RequestStatus.PREEMPTED:
             return "preempted"
-        if req is not None and req.status.finished:
-            return req.status.value
-        return "abort"  # gone between two steps: aborted
+        return "abort"  # gone without a finishing output: aborted (or failed with its step)
 
 
 def _prompt_ids(req, output) -> list[int]:

@@ -192,6 +192,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     if settings.dashboard:
         app.include_router(_dashboard(async_engine, settings, metrics, feed))
         serving.on_shutdown.append(feed.close)  # its streams never end by themselves
+        async_engine.death_listeners.append(lambda exc: feed.close_soon())  # nor when the engine dies
     return app
 
 

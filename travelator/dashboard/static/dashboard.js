@@ -64,6 +64,7 @@ class Panel {
     this.field("title").textContent = title;
     this.canvas = this.root.querySelector("canvas");
     this.info = null;
+    this.now = () => null;  // the source's clock, in records' seconds (null: the newest record's)
     this.reset();
     this.canvas.addEventListener("mousemove", (ev) => this.hover(ev));
     this.canvas.addEventListener("mouseleave", () => { tooltip.hidden = true; });
@@ -87,7 +88,6 @@ class Panel {
     this.records.push(rec);
     if (this.records.length > COLUMNS) this.records.shift();
     this.recent.push(rec);
-    while (this.recent.length && rec.t - this.recent[0].t > WINDOW_S) this.recent.shift();
     for (const [id, text] of Object.entries(rec.prompts || {})) {
       this.prompts.set(id, text);
       if (this.prompts.size > PROMPTS_KEPT) this.prompts.delete(this.prompts.keys().next().value);
@@ -129,7 +129,7 @@ class Panel {
       }
       g.fillStyle = "#ff5a5a";
       for (const [, seat, why] of rec.left) {
-        if (why !== "preempted" || seat === null) continue;
+        if (why !== "preempted") continue;
         const y = seat * rowH;
         g.beginPath(); g.moveTo(x - 3, y); g.lineTo(x + 3, y); g.lineTo(x, y + Math.min(rowH, 7)); g.fill();
       }
@@ -159,8 +159,11 @@ class Panel {
     const queue = this.field("queue");
     queue.textContent = last.queue.slice(0, 8).map(([id, waited, prio]) =>
       `${waited.toFixed(1)} s${prio ? " · priority " + prio : ""} · ${id}`).join("\n");
-    // Rates over the records of the last minute.
-    const r = this.recent, span = r.length > 1 ? r[r.length - 1].t - r[0].t : 0;
+    // Rates over the records of the last minute, by the source's clock: they fall to nothing
+    // when the engine idles, not stay at their last values.
+    const now = this.now() ?? last.t;
+    while (this.recent.length && now - this.recent[0].t > WINDOW_S) this.recent.shift();
+    const r = this.recent, span = r.length ? Math.max(now - r[0].t, 1e-3) : 0;
     const per = (x) => span > 0 ? x / span : null;
     const sum = (f) => r.reduce((a, rec) => a + f(rec), 0);
     set("tok-s", fmt(per(sum((rec) => rec.generated)), 0));
@@ -187,7 +190,7 @@ class Panel {
     const what = { p: "prefill chunk", d: "decode", i: "seated, not scheduled" }[kind];
     let text = `${id}\nstep ${rec.step}: ${what}, ${tokens} token${tokens === 1 ? "" : "s"}\n` +
       `prompt ${info[0]} tokens · output ${info[1]} so far\nstate ${info[2]}` +
-      (info[3] ? ` · priority ${info[3]}` : "") + ` · ${info[4]} KV blocks`;
+      (info[3] === null ? "" : ` · priority ${info[3]}`) + ` · ${info[4]} KV blocks`;
     if (this.prompts.has(id)) text += `\n\n${this.prompts.get(id)}`;
     tooltip.textContent = text;
     tooltip.hidden = false;
@@ -209,22 +212,33 @@ function renderLoop() {
 function startLive() {
   const panel = new Panel(panelsRoot, "live");
   panels.push(panel);
-  let count = 0, since = performance.now();
+  let count = 0, since = performance.now(), instance = null;
+  // The server's clock: the newest record's time plus what passed here since it came.
+  let lastT = null, lastArrival = 0;
+  panel.now = () => lastT === null ? null : lastT + (performance.now() - lastArrival) / 1000;
   const source = new EventSource("/dashboard/stream");
-  source.addEventListener("info", (ev) => panel.setInfo(JSON.parse(ev.data)));
+  source.addEventListener("info", (ev) => {
+    const info = JSON.parse(ev.data);
+    if (instance !== null && info.instance !== instance) panel.reset();  // a restarted server
+    instance = info.instance;
+    panel.setInfo(info);
+  });
   source.addEventListener("dropped", (ev) => { panel.dropped += Number(ev.data); });
-  let lastSeq = 0;
   source.onmessage = (ev) => {
     const rec = JSON.parse(ev.data);
-    if (rec.seq <= lastSeq) panel.reset();  // the server restarted: its steps count from 1 again
-    lastSeq = rec.seq;
+    lastT = rec.t; lastArrival = performance.now();
     panel.push(rec);
     count++;
   };
-  source.onerror = () => { statusLine.textContent = "connection lost: reconnecting…"; };
+  source.onerror = () => {
+    statusLine.textContent = source.readyState === EventSource.CLOSED
+      ? "disconnected: reload the page (and log in again if the server has a key)"
+      : "connection lost: reconnecting…";
+  };
   setInterval(() => {
     const now = performance.now(), rate = count * 1000 / (now - since);
     count = 0; since = now;
+    panel.dirty = true;  // the last minute moves on even when no step comes
     if (source.readyState === EventSource.OPEN)
       statusLine.textContent = `live · ${rate.toFixed(0)} steps/s` + (panel.dropped ? ` · ${panel.dropped} records dropped` : "");
   }, 1000);
@@ -232,17 +246,19 @@ function startLive() {
 
 function startReplay(replay) {
   document.title = "travelator · replay";
+  let speed = replay.speed || 1, playing = true, clock = 0, wall = performance.now();
   const runs = replay.panels.map((p) => {
     const panel = new Panel(panelsRoot, p.name);
     panel.setInfo(p.info);
     panels.push(panel);
-    return { panel, records: p.records, next: 0, t0: p.t0 !== undefined ? p.t0 : (p.records[0] || { t: 0 }).t };
+    const run = { panel, records: p.records, next: 0, t0: p.t0 !== undefined ? p.t0 : (p.records[0] || { t: 0 }).t };
+    panel.now = () => run.t0 + clock;
+    return run;
   });
   const controls = document.getElementById("controls");
   controls.innerHTML = `<button data-act="play">pause</button>
     <select>${[1, 4, 16, 64].map((s) => `<option value="${s}">${s}× speed</option>`).join("")}</select>
     <button data-act="restart">restart</button>`;
-  let speed = replay.speed || 1, playing = true, clock = 0, wall = performance.now();
   controls.querySelector("select").value = String(speed);
   controls.querySelector("select").onchange = (ev) => { speed = Number(ev.target.value); };
   controls.querySelector("[data-act=play]").onclick = (ev) => {
@@ -252,12 +268,14 @@ function startReplay(replay) {
     clock = 0;
     for (const run of runs) { run.next = 0; run.panel.reset(); }
   };
+  const end = Math.max(...runs.map((run) => run.records.length ? run.records[run.records.length - 1].t - run.t0 : 0));
   setInterval(() => {
     const now = performance.now();
-    if (playing) clock += (now - wall) / 1000 * speed;
+    if (playing) clock = Math.min(end, clock + (now - wall) / 1000 * speed);  // stops at the end
     wall = now;
     for (const run of runs) {
       while (run.next < run.records.length && run.records[run.next].t - run.t0 <= clock) run.panel.push(run.records[run.next++]);
+      run.panel.dirty = true;
     }
     const done = runs.every((run) => run.next >= run.records.length);
     statusLine.textContent = `${replay.title || "replay"} · ${clock.toFixed(1)} s` + (done ? " · done" : "");
