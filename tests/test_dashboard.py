@@ -8,6 +8,7 @@ import json
 import socket
 import statistics
 import threading
+import time
 
 import httpx
 from live import serve_in_thread
@@ -31,10 +32,13 @@ def complete(url: str, prompt: str, max_tokens: int, headers=None) -> httpx.Resp
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
 
-def read_events(response: httpx.Response, until) -> list[tuple[str, str]]:
-    """(event, data) pairs of a server-sent event stream until ``until(events)`` holds."""
+def read_events(response: httpx.Response, until, timeout_s: float = 40.0) -> list[tuple[str, str]]:
+    """(event, data) pairs of a server-sent event stream until ``until(events)`` holds (an
+    AssertionError past ``timeout_s``: the stream's comment lines come every 15 s at rest)."""
     events, event, data = [], "message", []
+    deadline = time.monotonic() + timeout_s
     for line in response.iter_lines():
+        assert time.monotonic() < deadline, f"not seen in {timeout_s} s; the stream so far: {events[-3:]}"
         if line.startswith("event: "):
             event = line[7:]
         elif line.startswith("data: "):
@@ -130,6 +134,20 @@ def test_the_dashboard_needs_the_key_when_the_server_has_one():
             assert stream.status_code == 200
             assert read_events(stream, lambda ev: True)[0][0] == "info"
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is as closed as before
+
+
+@needs_stories
+def test_an_idle_record_empties_the_walkway():
+    """A request done in one step: its step's record shows it joining and leaving, then one
+    record says the engine is idle, with an empty batch (else a page would keep showing it)."""
+    with serve() as url:
+        with httpx.stream("GET", f"{url}/dashboard/stream", timeout=30) as stream:
+            rid = complete(url, "Once upon a time", 1).json()["id"] + "-0"
+            events = read_events(stream, lambda ev: json.loads(ev[-1][1]).get("idle", False))
+        step, idle = (json.loads(d) for _, d in events[-2:])
+        assert step["joined"] == [rid] and step["left"] == [[rid, 0, "length"]] and not step["idle"]
+        assert idle["idle"] and idle["seats"] == [] and idle["waiting"] == 0 and idle["kv"]["used"] == 0
+        assert idle["step"] == step["step"] and idle["ms"] == 0.0
 
 
 @needs_stories

@@ -202,14 +202,13 @@ class AsyncEngine:
 
     # ---- the step thread --------------------------------------------------------------
     def _run(self) -> None:
-        busy = False
+        busy = False  # held requests since the idle listeners last ran
         try:
             while True:
                 # Idle: wait for a command. Holding requests back (dynamic batching): wait
                 # for a command or the end of the hold, whichever comes first.
                 if self.engine.has_unfinished_requests():
                     wait = self.engine.seconds_until_admission() or 0.0
-                    busy = True
                 else:
                     wait = None
                     if busy:
@@ -218,6 +217,7 @@ class AsyncEngine:
                 if not self._drain_commands(wait):
                     return
                 if self.engine.has_unfinished_requests():
+                    busy = True
                     self.step_started = time.monotonic()
                     steps = self.engine.counters.steps
                     outputs = self.engine.step()
