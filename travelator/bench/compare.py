@@ -10,7 +10,7 @@ drift in the machine's load hits all alike.
 Outputs: a table, ``compare.json``, ``latency_vs_throughput.png`` (median normalised
 latency in s/token against throughput in requests/s, as Orca's figures plot it),
 ``batch_occupancy.png`` (busy seats per step against ``max_num_seqs``), ``walkway.html``
-(the occupancy rate's runs replayed side by side in the live view's page: who sat where at
+(the occupancy rate's runs replayed one above the other in the live view's page: who sat where at
 each step; it opens from disk), and one line per baseline with the iteration-level throughput
 ratio at the same latency target.
 """
@@ -192,8 +192,8 @@ def run_compare(
         for sched in (modes if k % 2 == 0 else modes[::-1]):
             on_step = None
             if rate == occ_rate:
-                on_step, walkway = walkway_recording(engines[sched])
-                walkways.append({"name": sched, "info": walkway["info"], "records": walkway["records"], "t0": 0.0})
+                on_step, panel = walkway_recording(engines[sched], sched)
+                walkways.append(panel)
             run: RunResult = run_engine(engines[sched], work, arrivals, progress=progress,
                                         desc=f"{sched} @ {rate:g} req/s", on_step=on_step)
             m = compute_metrics(run.results, run.duration_s)
@@ -240,17 +240,17 @@ def run_compare(
     return report
 
 
-def walkway_recording(engine) -> tuple[Callable[[list], None], dict]:
+def walkway_recording(engine, name: str) -> tuple[Callable[[list], None], dict]:
     """A step hook for ``run_engine`` that records the run's walkway (seats per step, as the
-    live view's stream), on a clock that starts now."""
+    live view's stream), on a clock that starts now, and the replay panel it fills."""
     start = time.perf_counter()
     recorder = WalkwayRecorder(engine, clock=lambda: round(time.perf_counter() - start, 4))
-    walkway = {"info": recorder.info(), "records": []}
+    panel = {"name": name, "info": recorder.info(), "records": [], "t0": 0.0}
 
     def on_step(outputs: list) -> None:
-        walkway["records"].append(recorder.record(outputs))
+        panel["records"].append(recorder.record(outputs))
 
-    return on_step, walkway
+    return on_step, panel
 
 
 def model_summary(model: str, engine) -> dict:

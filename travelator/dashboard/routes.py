@@ -25,6 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 from travelator.dashboard.feed import StepFeed
 from travelator.dashboard.page import login_page, render_page
+from travelator.server.auth import bearer_matches
 from travelator.server.errors import APIError
 
 COOKIE = "travelator_dashboard"
@@ -42,8 +43,7 @@ class DashboardAuth:
     def allowed(self, request: Request) -> bool:
         if self.api_key is None:
             return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if bearer_matches(request.headers.get("authorization", ""), self.api_key):
             return True
         return secrets.compare_digest(request.cookies.get(COOKIE, "").encode(), self.cookie.encode())
 
@@ -77,23 +77,24 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
         response.set_cookie(COOKIE, auth.cookie, httponly=True, samesite="strict", path="/dashboard")
         return response
 
-    @router.get("/stream")
-    async def stream(request: Request) -> Response:
+    def require_access(request: Request) -> None:
+        """The data endpoints: 404 without a live view, 401 without the key."""
         if unavailable is not None:
             raise APIError(404, unavailable, code="dashboard_unavailable")
         if not auth.allowed(request):
             raise APIError(401, "missing or wrong API key: log in at /dashboard, or send "
                                 "'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    @router.get("/stream")
+    async def stream(request: Request) -> Response:
+        require_access(request)
         after = _resume_point(feed, request.query_params.get("after"), request.headers.get("last-event-id"))
         return StreamingResponse(_events(feed, info, after), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     @router.get("/info")
     async def get_info(request: Request) -> Response:
-        if unavailable is not None:
-            raise APIError(404, unavailable, code="dashboard_unavailable")
-        if not auth.allowed(request):
-            raise APIError(401, "missing or wrong API key", code="invalid_api_key")
+        require_access(request)
         return JSONResponse(info)
 
     return router

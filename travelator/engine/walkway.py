@@ -67,20 +67,17 @@ class WalkwayRecorder:
         members = [*scheduled, *(rid for rid in running if rid not in scheduled)]
         # Seats of those who left before the step (preempted or aborted) are free for it.
         left = self._release([r for r in self.seats if r not in running and r not in scheduled], finished)
-        joined, prompts = [], {}
+        joined, prompts, seats, requests = [], {}, [], {}
         for rid in members:
+            req = running.get(rid) or sched.requests.get(rid)
             if rid not in self.seats:
                 self.seats[rid] = self._free_seats.pop()
                 joined.append(rid)
-                req = running.get(rid) or sched.requests.get(rid)
                 if self.show_prompts and (ids := _prompt_ids(req, finished.get(rid))):
                     prompts[rid] = e.tokenizer.decode(ids[:PROMPT_CHARS])[:PROMPT_CHARS]  # a token is a character or more
-        seats, requests = [], {}
-        for rid in members:
             n = scheduled.get(rid, 0)
             kind = IDLE if n == 0 else PREFILL if rid in prefilling else DECODE
             seats.append([self.seats[rid], rid, kind, n])
-            req = running.get(rid) or sched.requests.get(rid)
             if req is not None:
                 requests[rid] = [req.num_prompt_tokens, len(req.output_token_ids), req.status.value,
                                  req.priority, len(e.kv.block_ids(rid))]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -43,6 +42,7 @@ from travelator.dashboard.routes import dashboard_routes
 from travelator.engine.async_engine import AsyncEngine
 from travelator.engine.engine import LLMEngine
 from travelator.engine.walkway import WalkwayRecorder
+from travelator.server.auth import bearer_matches
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
 from travelator.server.errors import APIError, from_validation_error, install_error_handlers
@@ -249,9 +249,7 @@ def _api_key_check(settings: ServerSettings):
     async def require_api_key(request: Request) -> None:
         if settings.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-                token.strip().encode(), settings.api_key.encode()):
+        if not bearer_matches(request.headers.get("authorization", ""), settings.api_key):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
