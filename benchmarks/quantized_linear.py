@@ -1,9 +1,11 @@
 """One linear layer, bf16 against int8 and int4 weights, at the row counts of real steps.
 
-Every kind runs the engine's own path (``NativeOps.linear``). bf16: the streaming one-row
-kernel at M <= 2, oneDNN's pre-packed AMX/AVX-512 kernel above. int8: the streaming int8 kernel
-at M <= 2, torch's ``_weight_int8pack_mm`` above (also shown alone as "int8 torch"). int4:
-torch's ``_weight_int4pack_mm_for_cpu``. The weight is larger than the L3 cache by default (the 250M model's gate/up
+bf16, int8 and int4 run the engine's own path (``NativeOps.linear``). bf16: the streaming
+one-row kernel at M <= 2, oneDNN's pre-packed AMX/AVX-512 kernel above. int8 and int4: the
+engine's integer kernel (``csrc/quant_linear.cpp``) up to 32 rows, above that the weight
+dequantized into a kept buffer and oneDNN's bf16 GEMM. "torch int8" and "torch int4" are
+torch's own CPU kernels on the same codes (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``), for comparison. The weight is larger than the L3 cache by default (the 250M model's gate/up
 projection, 5632 x 1024, repeated over 8 copies), so each call streams it from memory, as in a
 decode step. Medians of repeats; the CPU and the load average are printed first.
 
@@ -22,7 +24,21 @@ import torch
 
 from travelator.model.device import cpu_model_name
 from travelator.model.ops import NativeOps, TorchOps
-from travelator.model.quant import quantize
+from travelator.model.quant import Int4Weight, Int8Weight, quantize
+
+
+def torch_int8(w: Int8Weight):
+    """torch's int8 kernel on the same codes and scales."""
+    codes, scales = w.codes(), w.scales[: w.out_features].bfloat16()
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+
+
+def torch_int4(w: Int4Weight):
+    """torch's int4 kernel on the same codes, scales and zeros (its layout, 2 inner k-tiles)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes().to(torch.int32), 2)
+    scale, zero = w.group_params()
+    scales_zeros = torch.stack([scale.T, zero.T], dim=-1).bfloat16().contiguous()
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, w.group_size, scales_zeros)
 
 
 def timed(call, repeats: int) -> float:
@@ -55,12 +71,14 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - no compiler here: torch's own bf16 path
         ops = TorchOps()
     ops.prepare(weights)
-    int8 = [quantize(w, "int8", torch.bfloat16) for w in weights]
+    int8 = [quantize(w, "int8") for w in weights]
+    int4 = [quantize(w, "int4", args.group_size) for w in weights]
     kinds = {
         "bf16": (weights, ops.linear),
         "int8": (int8, ops.linear),
-        "int8 torch": (int8, lambda x, w: w.linear(x)),
-        "int4": ([quantize(w, "int4", torch.bfloat16, args.group_size) for w in weights], ops.linear),
+        "int4": (int4, ops.linear),
+        "torch int8": ([torch_int8(w) for w in int8], lambda x, f: f(x)),
+        "torch int4": ([torch_int4(w) for w in int4], lambda x, f: f(x)),
     }
     print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>16}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
     for m in args.rows:

@@ -26,10 +26,11 @@ def _x(rows: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_kernel_multiplies_by_the_per_channel_weight(dtype):
+def test_int8_weight_multiplies_by_the_per_channel_weight(dtype):
+    """The portable path (the dequantized weight through torch) against the formula."""
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(0))
-    q = quantize(w, "int8", dtype)
-    assert isinstance(q, Int8Weight) and q.qweight.dtype == torch.int8
+    q = quantize(w, "int8")
+    assert isinstance(q, Int8Weight) and q.codes().dtype == torch.int8
     scale = w.abs().amax(dim=1) / 127  # the formula, again
     expected_w = torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
     assert (expected_w - w).abs().max() <= scale.max() / 2 + 1e-6  # half a step at most
@@ -41,9 +42,9 @@ def test_int8_kernel_multiplies_by_the_per_channel_weight(dtype):
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_int4_kernel_multiplies_by_the_group_wise_weight(group_size):
+def test_int4_weight_multiplies_by_the_group_wise_weight(group_size):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    q = quantize(w, "int4", torch.float32, group_size)
+    q = quantize(w, "int4", group_size)
     assert isinstance(q, Int4Weight)
     g = w.reshape(64, 256 // group_size, group_size)  # the formula, again: asymmetric, 16 levels
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
@@ -60,8 +61,8 @@ def test_building_by_parts_equals_quantizing_whole(method):
     """Rows are quantized on their own: a fused weight filled part by part as its checkpoint
     tensors stream in is the same as the whole matrix quantized at once."""
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(3))
-    whole = quantize(w, method, torch.bfloat16, 32)
-    builder = QuantizedBuilder((96, 128), method, torch.bfloat16, 32)
+    whole = quantize(w, method, 32)
+    builder = QuantizedBuilder((96, 128), method, 32)
     builder.write_rows(64, w[64:])  # any order, as the parts come
     assert not builder.complete
     builder.write_rows(0, w[:64])
@@ -151,7 +152,7 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(16, 128))
     assert torch.allclose(blocks.dequantize(), reference, rtol=0, atol=1e-6)
     if kind != "q8_0":  # Q4 blocks go into the int4 kernel exactly as they are
-        builder = QuantizedBuilder((16, 128), "int4", torch.float32, 32)
+        builder = QuantizedBuilder((16, 128), "int4", 32)
         builder.write_blocks(0, blocks)
         assert torch.allclose(builder.finish().dequantize(), reference, rtol=0, atol=1e-5)
 
@@ -178,8 +179,8 @@ def test_a_quantized_gguf_file_stays_quantized(tmp_path, kind):
     ids = kept.tokenizer.encode(STORIES_EXPECTED)
     kl, top1 = compare(sequence_logprobs(dequantized, ids), sequence_logprobs(kept, ids))
     print(f"{kind} kept vs dequantized: mean KL {kl:.6f}, top-1 {top1:.3f}")
-    # Not 0: Q8_0 is requantized per channel, and Q4_0's gate/up (344 rows, not a multiple of
-    # 16 for the int4 kernel) goes to int8 the same way; Q4_0's other layers are exact (above).
+    # Not 0: Q8_0 is requantized per channel; Q4_0's layers are exact (above), but the kernel
+    # takes x in 16-bit integers per group and sums in a different order.
     assert kl <= 1e-3 and top1 >= 0.98
 
 
@@ -199,19 +200,52 @@ def test_tensor_parallel_ranks_quantize_their_own_shards():
     assert "Once upon a time" + out.text == STORIES_EXPECTED[: len("Once upon a time" + out.text)]
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("k", [1024, 200])  # whole cache lines, and a tail of 8
-def test_the_native_one_row_int8_kernel_matches_the_weight_it_stands_for(rows, k):
-    """The engine's own int8 kernel for one or two rows (``small_m_linear_int8``), where it
-    builds, against x @ (q * scale)^T in float."""
+def _native_ops(batch_invariant: bool = False):
     from travelator import kernels
     from travelator.model.ops import NativeOps
 
-    if not kernels.available() or not hasattr(torch.ops.travelator, "small_m_linear_int8"):
-        pytest.skip("the native kernels (AVX512-BF16) do not build here")
-    w = torch.randn(72, k, generator=torch.Generator().manual_seed(2)) * 0.02
-    q = quantize(w, "int8", torch.bfloat16)
-    x = _x(rows, k)
-    got = NativeOps().linear(x, q).float()
-    ref = x.float() @ (q.qweight.float() * q.scales.float()[:, None]).T
-    assert torch.allclose(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    if not kernels.available() or not hasattr(torch.ops.travelator, "quant_linear_int8"):
+        pytest.skip("the native quantized kernel (AVX512-VNNI) does not build here")
+    return NativeOps(batch_invariant=batch_invariant)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 40])  # 40: past the kernel, dequantized into oneDNN's GEMM
+@pytest.mark.parametrize("method,k,group", [("int8", 1024, 0), ("int8", 200, 0), ("int4", 256, 32),
+                                            ("int4", 1024, 128)])
+def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k, group, rows, dtype):
+    """The engine's integer kernel (``quant_linear.cpp``; 200 inputs: a padded block of x) and
+    its dequantizing path, against x @ w^T in float64 with w written from the codes and scales
+    by the formulas (not by the kernel's own dequantization). 136 outputs: a partial tile. One
+    large input lies in every row, as real activations have: x's integer form must keep the
+    small ones."""
+    ops = _native_ops()
+    w = torch.randn(136, k, generator=torch.Generator().manual_seed(2)) * 0.02
+    q = quantize(w, method, group) if method == "int4" else quantize(w, method)
+    if method == "int8":
+        ref_w = q.codes().double() * q.scales[:136, None].double()
+    else:
+        scale, zero = q.group_params()
+        ref_w = ((q.codes().double().reshape(136, -1, group) - 8) * scale[..., None].double()
+                 + zero[..., None].double()).reshape(136, k)
+    x = _x(rows, k, torch.float32)
+    x[:, 7] = 30.0
+    x = x.to(dtype)
+    got = ops.linear(x, q).double()
+    ref = x.double() @ ref_w.T
+    # bf16 output: its own rounding (2^-9 of each value) is the bound; float32: the integer form of x.
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-4
+    assert got.dtype == torch.float64 and got.shape == (rows, 136)
+    assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_row_through_the_native_quantized_kernel_does_not_depend_on_its_batch(method):
+    """Each row is summed on its own, in the same order: a row alone and the same row among 39
+    others give the same bits (batch-invariant mode takes the kernel for any row count)."""
+    ops = _native_ops(batch_invariant=True)
+    q = quantize(torch.randn(200, 256, generator=torch.Generator().manual_seed(4)) * 0.02, method, 64)
+    x = _x(40, 256)
+    together = ops.linear(x, q)
+    for i in (0, 17, 39):
+        assert torch.equal(ops.linear(x[i:i + 1], q), together[i:i + 1])

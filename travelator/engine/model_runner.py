@@ -80,7 +80,7 @@ class ModelRunner:
             tp.fixed_order_sums = True
         method = None if quantization in ("auto", "none") else quantization
         if method is not None and device.type != "cpu":
-            raise ValueError(f"quantization {method} runs on the CPU (torch's int8/int4 CPU kernels); "
+            raise ValueError(f"quantization {method} runs on the CPU (the engine's CPU kernels); "
                              f"the device is {device}")
         model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp, ops=self.ops,
                            quantization=method, group_size=quantization_group_size,

@@ -161,8 +161,8 @@ class LlamaModel(nn.Module):
         if self.quantization == "int4" and not int4_shape_ok(*shape, self.group_size):
             if shape not in self._int8_fallbacks:
                 self._int8_fallbacks.add(shape)
-                logger.warning("int4 needs the input size to be a multiple of %d and the output size of 16: "
-                               "layers of shape %s (like %s) are int8", max(self.group_size, 32), shape, target)
+                logger.warning("int4 needs the input size to be a multiple of the group size (%d): "
+                               "layers of shape %s (like %s) are int8", self.group_size, shape, target)
             return "int8"
         return self.quantization
 
@@ -184,7 +184,7 @@ class LlamaModel(nn.Module):
                 method = "int8"
         else:
             return None
-        builder = self._builders[target] = QuantizedBuilder(shape, method, self.dtype, group)
+        builder = self._builders[target] = QuantizedBuilder(shape, method, group)
         return builder
 
     def _install(self, target: str, weight: QuantizedWeight) -> None:
@@ -318,7 +318,7 @@ class LlamaModel(nn.Module):
             shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
             if self._quantizes(name):
                 method = self._method_for(name, tuple(shard.shape))
-                self._install(name, quantize(shard, method, self.dtype, self.group_size))
+                self._install(name, quantize(shard, method, self.group_size))
             else:
                 p.data.copy_(shard)
 

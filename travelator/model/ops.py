@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from travelator import kernels
 from travelator.model.attention import AttentionBackend
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from travelator.model.quant import Int8Weight, QuantizedWeight
+from travelator.model.quant import QUANT_KERNEL_ROWS, TILE_ROWS, Int8Weight, QuantizedWeight
 
 # Rows of x up to which bf16 linears use the streaming kernel (kMaxRows in small_m_linear.cpp).
 SMALL_M_ROWS = 2
@@ -91,7 +91,12 @@ class NativeOps(TorchOps):
         # Built only where the compiler targets AVX512-BF16. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
-        self._small_m_linear_int8 = None if batch_invariant else getattr(self._ops, "small_m_linear_int8", None)
+        # int8/int4 weights at up to QUANT_KERNEL_ROWS rows (AVX512-VNNI builds); its rows do
+        # not depend on each other, so it stays on when batch-invariant.
+        self._quant_linear = hasattr(self._ops, "quant_linear_int8")
+        # Past QUANT_KERNEL_ROWS rows a quantized layer is dequantized into this buffer (kept:
+        # a fresh one costs its page faults) and multiplied on oneDNN's GEMM.
+        self._dequantized = torch.empty(0)
         # Likewise the tiled attention kernel for prefill tiles.
         self.tiled_prefill_attention = not batch_invariant
 
@@ -103,15 +108,16 @@ class NativeOps(TorchOps):
                 self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
 
     def linear(self, x, weight, bias=None):
-        if not isinstance(weight, torch.Tensor):  # quantized: torch's int8/int4 kernels
-            if self.batch_invariant:
-                return _in_fixed_tiles(lambda rows: _quantized_linear(rows, weight, bias), x)
-            if (self._small_m_linear_int8 is not None and isinstance(weight, Int8Weight) and bias is None
-                    and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
-                # One or two rows: stream the int8 rows ourselves (torch's kernel is barely
-                # faster than bf16 there).
-                return self._small_m_linear_int8(x.contiguous(), weight.qweight, weight.scales)
-            return _quantized_linear(x, weight, bias)
+        if not isinstance(weight, torch.Tensor):  # quantized: int8 / int4
+            if not self._quant_linear:
+                if self.batch_invariant:
+                    return _in_fixed_tiles(lambda rows: _quantized_linear(rows, weight, bias), x)
+                return _quantized_linear(x, weight, bias)
+            if self.batch_invariant or x.shape[:-1].numel() <= QUANT_KERNEL_ROWS:
+                # Up to a few dozen rows: the engine's integer kernel streams the quantized bytes.
+                # Its rows do not depend on each other, so batch-invariant mode takes it always.
+                return self._quant_kernel(x, weight, bias)
+            return F.linear(x, self._dequantize(weight, x.dtype), bias)
         packed = self._packed.get(weight)
         if packed is None:
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
@@ -124,6 +130,29 @@ class NativeOps(TorchOps):
             # One or two rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
+
+    def _quant_kernel(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if isinstance(weight, Int8Weight):
+            out = self._ops.quant_linear_int8(rows, weight.packed, weight.scales, weight.out_features)
+        else:
+            out = self._ops.quant_linear_int4(rows, weight.packed, weight.scales_zeros, weight.group_size,
+                                              weight.out_features)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.out_features)
+
+    def _dequantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's float weight [out, in] (a transposed view into the kept buffer)."""
+        k, n = weight.packed.shape[1] * (4 if isinstance(weight, Int8Weight) else 8), weight.packed.shape[0] * TILE_ROWS
+        if self._dequantized.dtype != dtype or self._dequantized.numel() < k * n:
+            self._dequantized = torch.empty(k * n, dtype=dtype)
+        out = self._dequantized[: k * n].view(k, n)
+        if isinstance(weight, Int8Weight):
+            self._ops.quant_dequantize_int8(weight.packed, weight.scales, out)
+        else:
+            self._ops.quant_dequantize_int4(weight.packed, weight.scales_zeros, weight.group_size, out)
+        return out[: weight.in_features, : weight.out_features].T
 
     def rms_norm(self, x, norm):
         return self._ops.rms_norm(x, norm.weight, norm.eps)

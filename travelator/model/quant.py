@@ -1,14 +1,21 @@
 """Weight-only quantization of the linear layers: int8 per output channel, int4 group-wise.
 
-The weights stay quantized in memory and in the matrix product: torch's own CPU kernels
-multiply bf16/fp32 activations by them (``aten._weight_int8pack_mm``, and the tinygemm-style
-``aten._weight_int4pack_mm_for_cpu`` on a packed int4 layout), so a step streams 1/2 or 1/4
-of the bytes of a bf16 weight.
+The weights stay quantized in memory, in the layout of the engine's own kernel
+(``csrc/quant_linear.cpp``: integer dot products, see there), so a decode step streams 1/2 or
+1/4 of the bytes of a bf16 weight. Where that kernel does not apply (more than
+``QUANT_KERNEL_ROWS`` rows, or no native build) a layer is dequantized and multiplied in the
+activations' dtype.
 
 - int8: ``w[n, k] ~ q[n, k] * scale[n]``, q in [-127, 127], scale = max |w[n, :]| / 127.
 - int4: per group of ``group_size`` inputs, ``w ~ (q - 8) * scale + zero`` with q in [0, 15]
-  (asymmetric: scale = (max - min) / 15, zero = min + 8 * scale), the convention of the int4
-  kernel, which also takes GGUF's Q4_0 (zero 0) and Q4_1 blocks as they are.
+  (asymmetric: scale = (max - min) / 15, zero = min + 8 * scale), which also takes GGUF's Q4_0
+  (zero 0) and Q4_1 blocks as they are.
+
+Layout (both): output rows in tiles of 64, padded; within a tile, for each step of inputs, 4
+vectors of 16 rows whose 32-bit lanes hold consecutive inputs of one row.
+- int8 ``packed`` uint8 [N/64, K/4, 4, 64]: ``q + 128`` of inputs k..k+3 (K padded to 128);
+- int4 ``packed`` uint8 [N/64, K/8, 4, 64]: byte j of a lane holds input k+j in its low nibble
+  and k+4+j in its high one; ``scales_zeros`` float32 [N/64, K/group, 2, 64].
 
 Quantizing works on rows, so a fused weight (QKV, gate/up) is quantized part by part as its
 checkpoint tensors stream in (``QuantizedBuilder``), and a tensor-parallel rank quantizes its
@@ -21,36 +28,52 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 QuantMethod = Literal["int8", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-_INNER_K_TILES = 2  # the int4 kernel's packing (its K must be a multiple of 16 * this)
+TILE_ROWS = 64  # output rows of one tile of the packed layouts
+INT8_K_BLOCK = 128  # int8 inputs are padded to a multiple of this (the kernel's blocks of x)
+QUANT_KERNEL_ROWS = 32  # up to this many rows of x the native kernel beats dequantizing (see ops.py)
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(slots=True)
 class Int8Weight:
-    qweight: torch.Tensor  # int8 [out, in]
-    scales: torch.Tensor  # [out], the activations' dtype
+    packed: torch.Tensor  # uint8 [N/64, K/4, 4, 64], q + 128 (see the module's docstring)
+    scales: torch.Tensor  # float32 [N padded to 64]
+    out_features: int
+    in_features: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        return self.out_features, self.in_features
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+        return self.packed.numel() + self.scales.numel() * self.scales.element_size()
+
+    def codes(self) -> torch.Tensor:
+        """q, int8 [out, in]."""
+        tiles, quads = self.packed.shape[:2]
+        u = self.packed.reshape(tiles, quads, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE_ROWS, quads * 4)
+        return (u[: self.out_features, : self.in_features].to(torch.int16) - 128).to(torch.int8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.codes().to(dtype) * self.scales[: self.out_features, None].to(dtype))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+        """Any number of rows, any dtype: through the dequantized weight."""
+        return F.linear(x, self.dequantize(x.dtype))
 
 
 @dataclass(slots=True)
 class Int4Weight:
-    packed: torch.Tensor  # uint8, the int4 kernel's layout
-    scales_zeros: torch.Tensor  # [in / group, out, 2] (scale, zero), the activations' dtype
+    packed: torch.Tensor  # uint8 [N/64, K/8, 4, 64] (see the module's docstring)
+    scales_zeros: torch.Tensor  # float32 [N/64, K/group, 2, 64]: (scale, zero) of each group
     group_size: int
     out_features: int
     in_features: int
@@ -63,28 +86,54 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+    def codes(self) -> torch.Tensor:
+        """q, uint8 in [0, 15], [out, in]."""
+        tiles, octets = self.packed.shape[:2]
+        p = self.packed.reshape(tiles, octets, 4, 16, 4)
+        q = torch.stack([p & 0x0F, p >> 4], dim=4)  # [.., half, j]: input 8 * octet + 4 * half + j
+        return q.permute(0, 2, 3, 1, 4, 5).reshape(tiles * TILE_ROWS, octets * 8)[: self.out_features]
 
-    def dequantize(self) -> torch.Tensor:
-        """The float weight it stands for (tests, and the reference of the accuracy checks)."""
-        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
-        return self.linear(eye).float().T.contiguous()
+    def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero), float32 [out, in / group]."""
+        tiles, groups = self.scales_zeros.shape[:2]
+        sz = self.scales_zeros.permute(0, 3, 1, 2).reshape(tiles * TILE_ROWS, groups, 2)[: self.out_features]
+        return sz[..., 0], sz[..., 1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight it stands for."""
+        scale, zero = self.group_params()
+        q = self.codes().reshape(self.out_features, -1, self.group_size).float()
+        w = (q - 8) * scale[..., None] + zero[..., None]
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """Any number of rows, any dtype: through the dequantized weight."""
+        return F.linear(x, self.dequantize(x.dtype))
 
 
 QuantizedWeight = Int8Weight | Int4Weight
 
 
 def int4_shape_ok(out_features: int, in_features: int, group_size: int) -> bool:
-    return (group_size in INT4_GROUP_SIZES and in_features % group_size == 0
-            and in_features % (16 * _INNER_K_TILES) == 0 and out_features % 16 == 0)
+    return group_size in INT4_GROUP_SIZES and in_features % group_size == 0
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int) -> None:
     if not int4_shape_ok(out_features, in_features, group_size):
-        raise ValueError(f"int4 needs a group size in {INT4_GROUP_SIZES} (got {group_size}), the input size "
-                         f"({in_features}) a multiple of it and of {16 * _INNER_K_TILES}, and the output "
-                         f"size ({out_features}) a multiple of 16")
+        raise ValueError(f"int4 needs a group size in {INT4_GROUP_SIZES} (got {group_size}) and the input "
+                         f"size ({in_features}) a multiple of it")
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+    """q int8 [out, in] and scale [out] into the kernel's layout."""
+    out_f, in_f = q.shape
+    n, k = _padded(out_f, TILE_ROWS), _padded(in_f, INT8_K_BLOCK)
+    u = torch.full((n, k), 128, dtype=torch.uint8)  # padding: q = 0
+    u[:out_f, :in_f] = (q.to(torch.int16) + 128).to(torch.uint8)
+    packed = u.reshape(n // TILE_ROWS, 4, 16, k // 4, 4).permute(0, 3, 1, 2, 4).reshape(n // TILE_ROWS, k // 4, 4, 64)
+    scales = torch.zeros(n)
+    scales[:out_f] = scale.float()
+    return Int8Weight(packed.contiguous(), scales, out_f, in_f)
 
 
 def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,17 +154,23 @@ def quantize_int4_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return q.reshape(out_f, in_f), scale, lo + 8 * scale
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              dtype: torch.dtype) -> Int4Weight:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+    """Codes uint8 [out, in] in [0, 15], scale and zero [out, in / group] into the kernel's layout."""
     out_f, in_f = q.shape
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), _INNER_K_TILES)
-    scales_zeros = torch.stack([scale.T, zero.T], dim=-1).to(dtype).contiguous()
-    return Int4Weight(packed, scales_zeros, group_size, out_f, in_f)
+    n, groups = _padded(out_f, TILE_ROWS), in_f // group_size
+    codes = torch.zeros(n, in_f, dtype=torch.uint8)
+    codes[:out_f] = q
+    c = codes.reshape(n // TILE_ROWS, 4, 16, in_f // 8, 2, 4)  # input 8 * octet + 4 * half + j
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 3, 1, 2, 4).reshape(n // TILE_ROWS, in_f // 8, 4, 64)
+    sz = torch.zeros(n, groups, 2)  # padding rows: scale 0, zero 0
+    sz[:out_f, :, 0], sz[:out_f, :, 1] = scale.float(), zero.float()
+    scales_zeros = sz.reshape(n // TILE_ROWS, TILE_ROWS, groups, 2).permute(0, 2, 3, 1)
+    return Int4Weight(packed.contiguous(), scales_zeros.contiguous(), group_size, out_f, in_f)
 
 
-def quantize(w: torch.Tensor, method: QuantMethod, dtype: torch.dtype, group_size: int = 128) -> QuantizedWeight:
+def quantize(w: torch.Tensor, method: QuantMethod, group_size: int = 128) -> QuantizedWeight:
     """A whole weight at once (the streaming loader uses ``QuantizedBuilder``)."""
-    builder = QuantizedBuilder(tuple(w.shape), method, dtype, group_size)
+    builder = QuantizedBuilder(tuple(w.shape), method, group_size)
     builder.write_rows(0, w)
     return builder.finish()
 
@@ -124,7 +179,7 @@ class QuantizedBuilder:
     """A quantized weight filled row block by row block (the parts of a fused weight, or a
     rank's shard), packed once every row is in."""
 
-    def __init__(self, shape: tuple[int, int], method: QuantMethod, dtype: torch.dtype, group_size: int) -> None:
+    def __init__(self, shape: tuple[int, int], method: QuantMethod, group_size: int) -> None:
         out_f, in_f = shape
         if method == "int4":
             check_int4_shape(out_f, in_f, group_size)
@@ -137,7 +192,7 @@ class QuantizedBuilder:
             self.scale = torch.empty(out_f)
         else:
             raise ValueError(f"unknown quantization {method!r}; use int8 or int4")
-        self.method, self.dtype, self.group_size = method, dtype, group_size
+        self.method, self.group_size = method, group_size
         self.rows_written = 0
 
     def write_rows(self, start: int, rows: torch.Tensor) -> None:
@@ -172,8 +227,8 @@ class QuantizedBuilder:
         if not self.complete:
             raise ValueError(f"{self.rows_written} of {self.q.shape[0]} rows were written")
         if self.method == "int8":
-            return Int8Weight(self.q, self.scale.to(self.dtype))
-        return pack_int4(self.q, self.scale, self.zero, self.group_size, self.dtype)
+            return pack_int8(self.q, self.scale)
+        return pack_int4(self.q, self.scale, self.zero, self.group_size)
 
 
 # ---- GGUF blocks kept quantized -----------------------------------------------------------

@@ -91,92 +91,10 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// The same for int8 weights with one scale per output row (``--quantization int8``): a
-// decode step of one or two requests streams half the bytes of bf16. torch's own int8 kernel
-// (_weight_int8pack_mm) reaches only about 1.1x bf16 here at one row; this reads each weight
-// row front to back, 16 int8 at a time widened to float32, four rows at a time, the next
-// rows prefetched, with x in float32 (converted once per call).
-// Prefetch distance in int8 weight rows: half the bytes of a bf16 row, so further ahead
-// (4 rows: 1.47x bf16 at one row here, 16: 1.73x, 32: 1.33x).
-constexpr int64_t kAheadInt8 = 16;
-
-// acc[m][r] += x[m][k:k+16] * w[r][k:k+16] for 16 inputs (`lanes` of them at the end of a row).
-template <int64_t M, int64_t R, bool kTail>
-inline void step_int8(__m512 (&acc)[M][R], const float* x, const int8_t* const* wr, int64_t K, int64_t k,
-                      __mmask16 lanes) {
-  __m512 wv[R];
-  for (int64_t r = 0; r < R; ++r) {
-    const __m128i bytes = kTail ? _mm_maskz_loadu_epi8(lanes, wr[r] + k)
-                                : _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + k));
-    wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    const __m512 xv = kTail ? _mm512_maskz_loadu_ps(lanes, x + m * K + k) : _mm512_loadu_ps(x + m * K + k);
-    for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-  }
-}
-
-template <int64_t M, int64_t R>
-void tile_int8(const float* x, const int8_t* w, const float* scale, c10::BFloat16* y, int64_t K,
-               int64_t N, int64_t n0) {
-  __m512 acc[M][R];
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int8_t* wr[R];
-  for (int64_t r = 0; r < R; ++r) wr[r] = w + (n0 + r) * K;
-  const char* ahead = reinterpret_cast<const char*>(w + std::min(n0 + kAheadInt8, N - 1) * K);
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {  // a cache line of each row per iteration
-    for (int64_t r = 0; r < R; ++r) _mm_prefetch(ahead + r * K + k, _MM_HINT_T0);
-    for (int64_t j = 0; j < 64; j += 16) step_int8<M, R, false>(acc, x, wr, K, k + j, 0);
-  }
-  for (; k + 16 <= K; k += 16) step_int8<M, R, false>(acc, x, wr, K, k, 0);
-  if (k < K) step_int8<M, R, true>(acc, x, wr, K, k, static_cast<__mmask16>((1u << (K - k)) - 1));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < R; ++r)
-      y[m * N + n0 + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[m][r]) * scale[n0 + r]);
-}
-
-template <int64_t M>
-void rows_int8(const float* x, const int8_t* w, const float* scale, c10::BFloat16* y, int64_t K, int64_t N) {
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t stop = std::min(N, (chunk + 1) * 64);
-      int64_t n = chunk * 64;
-      for (; n + kOutTile <= stop; n += kOutTile) tile_int8<M, kOutTile>(x, w, scale, y, K, N, n);
-      for (; n < stop; ++n) tile_int8<M, 1>(x, w, scale, y, K, N, n);
-    }
-  });
-}
-
-at::Tensor small_m_linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_m_linear_int8: bad shapes");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar,
-              "small_m_linear_int8: bf16 x and int8 weights only");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == w.size(0), "small_m_linear_int8: one scale per row");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "small_m_linear_int8: 1 to ", kMaxRows, " rows");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor sf = scales.to(at::kFloat).contiguous();
-  const at::Tensor wc = w.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const auto* xp = xf.data_ptr<float>();
-  const auto* wp = wc.data_ptr<int8_t>();
-  const auto* sp = sf.data_ptr<float>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (M) {
-    case 1: rows_int8<1>(xp, wp, sp, yp, K, N); break;
-    default: rows_int8<2>(xp, wp, sp, yp, K, N); break;
-  }
-  return y;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("small_m_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("small_m_linear", c10::DispatchKey::CPU, &small_m_linear);
-  m.def("small_m_linear_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.impl("small_m_linear_int8", c10::DispatchKey::CPU, &small_m_linear_int8);
 }
 #endif

@@ -1,0 +1,368 @@
+// y = x W^T for a few rows of x against int8 or int4 weights kept quantized
+// (``--quantization int8|int4``): a decode step of one or a few requests, which only streams
+// the weights. Widening each weight to float costs three vector instructions per 16 weights,
+// more than this CPU can issue while the bytes stream in; integer dot products
+// (vpdpbusd: 64 multiply-adds of unsigned bytes by signed bytes into int32) cost one per 64
+// weights, so the kernel multiplies integers and scales once per block of inputs.
+//
+// x is written exactly enough in integers: per row and block of inputs (the int4 group, or
+// 128 inputs for int8), x ~ xs * xi with xi = round(x / xs) a 16-bit integer
+// (|xi| <= 32512, xs = max |x| / 32512, an error under 2^-16 of the block's largest |x|:
+// finer than bf16's own rounding of that element), split into signed bytes xi = 256 hi + lo.
+// Weights are unsigned bytes u (int8: u = q + 128; int4: the code, 0..15), so
+//   sum_k u xi = 256 sum_k u hi + sum_k u lo
+// is an exact int32 per block, and the block adds to the float sum:
+//   int8 (w = scale[n] q):                 xs (sum u xi - 128 sum xi), times scale[n] at the end
+//   int4 (w = (u - 8) s + z, per group):   xs (s (sum u xi - 8 sum xi) + z sum xi)
+//
+// Layout, made at load by travelator/model/quant.py: output rows in tiles of 64 (4 blocks of
+// 16, one per vector lane), a lane's 32 bits holding consecutive inputs of its row, so each
+// block of inputs streams front to back:
+//   int8 [N/64][K/4][4][16 lanes][4 bytes]: the bytes of inputs k..k+3
+//   int4 [N/64][K/8][4][16 lanes][4 bytes]: byte j holds input k+j in its low nibble and
+//        k+4+j in its high one
+// A row's sums run over k in the same order whatever M is and however the rows are split
+// over threads, so a row's result does not depend on the other rows of x.
+//
+// Registered only where the compiler targets AVX512-VNNI and AVX512-BW; the Python side
+// dequantizes and calls the bf16 matmul elsewhere.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kTileRows = 64;     // output rows of a tile: 4 vectors of 16 lanes
+constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (int8 weights)
+constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
+
+// x in integers: per row, hi and lo bytes [K] and per block its scale and sum of xi.
+struct IntegerX {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t K = 0, block = 0, blocks = 0;
+};
+
+template <typename scalar_t>
+IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, int64_t block) {
+  IntegerX r;
+  r.K = K_padded, r.block = block, r.blocks = K_padded / block;
+  r.hi.assign(M * K_padded, 0), r.lo.assign(M * K_padded, 0);
+  r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
+      float mx = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, std::fabs(static_cast<float>(x[m * K + k])));
+      if (!(mx > 0.0f)) continue;  // all zero (or padding): xi = 0
+      const float xs = mx / kXMax, inv = kXMax / mx;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const int32_t xi = std::clamp(static_cast<int32_t>(std::lrint(static_cast<float>(x[m * K + k]) * inv)), -kXMax, kXMax);
+        const int8_t lo = static_cast<int8_t>(static_cast<uint8_t>(xi & 0xFF));
+        r.lo[m * K_padded + k] = lo;
+        r.hi[m * K_padded + k] = static_cast<int8_t>((xi - lo) / 256);
+        sum += xi;
+      }
+      r.scale[m * r.blocks + b] = xs;
+      r.sum[m * r.blocks + b] = sum;
+    }
+  }
+  return r;
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One tile of 64 output rows against MR rows of x (rows m0..m0+MR-1), int8 weights.
+template <int64_t MR>
+void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
+               int64_t out_stride) {
+  const int64_t K = xi.K;
+  __m512 tot[MR][4];
+  for (int64_t m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) tot[m][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < xi.blocks; ++b) {
+    __m512i ah[MR][4], al[MR][4];
+    for (int64_t m = 0; m < MR; ++m)
+      for (int r = 0; r < 4; ++r) ah[m][r] = al[m][r] = _mm512_setzero_si512();
+    const int64_t k0 = b * xi.block;
+    for (int64_t k = k0; k < k0 + xi.block; k += 4) {
+      const uint8_t* wk = w + k * kTileRows;  // 4 vectors of 64 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 192, _MM_HINT_T0);
+      __m512i bh[MR], bl[MR];
+      for (int64_t m = 0; m < MR; ++m) {
+        bh[m] = bcast4(&xi.hi[(m0 + m) * K + k]);
+        bl[m] = bcast4(&xi.lo[(m0 + m) * K + k]);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512i wv = _mm512_loadu_si512(wk + r * 64);
+        for (int64_t m = 0; m < MR; ++m) {
+          ah[m][r] = _mm512_dpbusd_epi32(ah[m][r], wv, bh[m]);
+          al[m][r] = _mm512_dpbusd_epi32(al[m][r], wv, bl[m]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < MR; ++m) {
+      const int64_t mb = (m0 + m) * xi.blocks + b;
+      const __m512i offset = _mm512_set1_epi32(128 * xi.sum[mb]);
+      const __m512 xs = _mm512_set1_ps(xi.scale[mb]);
+      for (int r = 0; r < 4; ++r) {
+        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[m][r], 8), al[m][r]), offset);
+        tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), xs, tot[m][r]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r)
+      _mm512_storeu_ps(out + m * out_stride + r * 16, _mm512_mul_ps(tot[m][r], _mm512_loadu_ps(row_scale + r * 16)));
+}
+
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero).
+template <int64_t MR>
+void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz, float* out,
+               int64_t out_stride) {
+  const int64_t K = xi.K;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 tot[MR][4];
+  for (int64_t m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) tot[m][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < xi.blocks; ++g) {
+    __m512i ah[MR][4], al[MR][4];
+    for (int64_t m = 0; m < MR; ++m)
+      for (int r = 0; r < 4; ++r) ah[m][r] = al[m][r] = _mm512_setzero_si512();
+    const int64_t k0 = g * xi.block;
+    for (int64_t k = k0; k < k0 + xi.block; k += 8) {
+      const uint8_t* wk = w + k / 2 * kTileRows;  // 4 vectors of 64 bytes: 8 inputs of 64 rows
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 192, _MM_HINT_T0);
+      __m512i bh0[MR], bl0[MR], bh1[MR], bl1[MR];
+      for (int64_t m = 0; m < MR; ++m) {
+        const int64_t at = (m0 + m) * K + k;
+        bh0[m] = bcast4(&xi.hi[at]), bl0[m] = bcast4(&xi.lo[at]);
+        bh1[m] = bcast4(&xi.hi[at + 4]), bl1[m] = bcast4(&xi.lo[at + 4]);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512i wv = _mm512_loadu_si512(wk + r * 64);
+        const __m512i lo = _mm512_and_si512(wv, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
+        for (int64_t m = 0; m < MR; ++m) {
+          ah[m][r] = _mm512_dpbusd_epi32(ah[m][r], lo, bh0[m]);
+          al[m][r] = _mm512_dpbusd_epi32(al[m][r], lo, bl0[m]);
+          ah[m][r] = _mm512_dpbusd_epi32(ah[m][r], hi, bh1[m]);
+          al[m][r] = _mm512_dpbusd_epi32(al[m][r], hi, bl1[m]);
+        }
+      }
+    }
+    const float* s = sz + g * 2 * kTileRows;
+    const float* z = s + kTileRows;
+    for (int64_t m = 0; m < MR; ++m) {
+      const int64_t mg = (m0 + m) * xi.blocks + g;
+      const __m512i offset = _mm512_set1_epi32(8 * xi.sum[mg]);
+      const __m512 xs = _mm512_set1_ps(xi.scale[mg]);
+      const __m512 zx = _mm512_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
+      for (int r = 0; r < 4; ++r) {
+        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[m][r], 8), al[m][r]), offset);
+        const __m512 sxs = _mm512_mul_ps(_mm512_loadu_ps(s + r * 16), xs);
+        tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sxs, tot[m][r]);
+        tot[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(z + r * 16), zx, tot[m][r]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m)
+    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + m * out_stride + r * 16, tot[m][r]);
+}
+
+// Every tile against every row of x, rows two at a time (the tile stays in cache between).
+template <typename scalar_t, typename TileFn1, typename TileFn2>
+at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn1 one, TileFn2 two) {
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  auto* yp = y.data_ptr<scalar_t>();
+  at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> out_rows(M * kTileRows);
+    float* out = out_rows.data();
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) two(t, m, out + m * kTileRows, kTileRows);
+      if (m < M) one(t, m, out + m * kTileRows, kTileRows);
+      const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
+      for (int64_t mm = 0; mm < M; ++mm)
+        for (int64_t n = n0; n < n1; ++n) yp[mm * N + n] = static_cast<scalar_t>(out[mm * kTileRows + n - n0]);
+    }
+  });
+  return y;
+}
+
+void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              name, ": x must be contiguous bf16 or float32 [M, K]");
+  TORCH_CHECK(x.size(0) >= 1, name, ": no rows");
+}
+
+// x [M, K] bf16; packed uint8 [N_padded / 64, K_padded / 4, 4, 64] (K_padded: K rounded up to
+// 128); scales float32 [N_padded]. Returns bf16 [M, N].
+at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N) {
+  check_x(x, "quant_linear_int8");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == 4 && packed.size(3) == kTileRows, "quant_linear_int8: bad packed layout");
+  const int64_t n_tiles = packed.size(0), K_padded = packed.size(1) * 4, K = x.size(1);
+  TORCH_CHECK(K_padded % kInt8Block == 0 && K <= K_padded && K_padded - K < kInt8Block, "quant_linear_int8: K does not match");
+  TORCH_CHECK(N <= n_tiles * kTileRows && N > (n_tiles - 1) * kTileRows, "quant_linear_int8: N does not match");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n_tiles * kTileRows,
+              "quant_linear_int8: scales must be float32 [N_padded]");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int64_t tile_bytes = K_padded * kTileRows;
+  return AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear_int8", [&] {
+    const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K_padded, kInt8Block);
+    return run_tiles<scalar_t>(x, N, n_tiles,
+      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int8<1>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride); },
+      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int8<2>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride); });
+  });
+}
+
+// x [M, K] bf16; packed uint8 [N_padded / 64, K / 8, 4, 64]; scales_zeros float32
+// [N_padded / 64, K / group, 2, 64]. Returns bf16 [M, N].
+at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
+                             int64_t group, int64_t N) {
+  check_x(x, "quant_linear_int4");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == 4 && packed.size(3) == kTileRows, "quant_linear_int4: bad packed layout");
+  const int64_t n_tiles = packed.size(0), K = x.size(1);
+  TORCH_CHECK(packed.size(1) * 8 == K && group % 8 == 0 && K % group == 0, "quant_linear_int4: K does not match");
+  TORCH_CHECK(N <= n_tiles * kTileRows && N > (n_tiles - 1) * kTileRows, "quant_linear_int4: N does not match");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
+              scales_zeros.dim() == 4 && scales_zeros.size(0) == n_tiles && scales_zeros.size(1) == K / group &&
+              scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTileRows, "quant_linear_int4: bad scales_zeros");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sz = scales_zeros.data_ptr<float>();
+  const int64_t tile_bytes = K / 2 * kTileRows, tile_sz = K / group * 2 * kTileRows;
+  return AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear_int4", [&] {
+    const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K, group);
+    return run_tiles<scalar_t>(x, N, n_tiles,
+      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int4<1>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride); },
+      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int4<2>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride); });
+  });
+}
+
+// The float weights, transposed: [K, N padded to 64] in `dtype`, for many rows of x, where
+// the bf16 GEMM (AMX) on a dequantized copy beats the integer kernel. A vector's 16 lanes
+// are 16 output rows, which lie side by side in W^T: every store is a whole vector.
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  // Round to nearest even, as c10::BFloat16 does (no NaNs here).
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
+template <typename Fn>
+void with_float_type(at::ScalarType dtype, Fn fn) {
+  if (dtype == at::kFloat) fn(static_cast<float*>(nullptr));
+  else fn(static_cast<c10::BFloat16*>(nullptr));
+}
+
+void check_out(const at::Tensor& out, int64_t K, int64_t Np, const char* name) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == K && out.size(1) == Np && out.is_contiguous() &&
+              (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              name, ": out must be a contiguous bf16 or float32 [K, N padded to 64]");
+}
+
+// out: [K, N padded] (a buffer the caller keeps: a fresh one costs its page faults, as much
+// as the work itself here).
+void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_dequantize_int8: bad layout");
+  const int64_t n_tiles = packed.size(0), quads = packed.size(1), Np = n_tiles * kTileRows, K = quads * 4;
+  check_out(out, K, Np, "quant_dequantize_int8");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  with_float_type(out.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t kq = 0; kq < quads; ++kq)  // a tile's 64 columns of W^T: whole cache lines
+          for (int r = 0; r < 4; ++r) {
+            const __m512 scale = _mm512_loadu_ps(s + t * kTileRows + r * 16);
+            const int64_t n0 = t * kTileRows + r * 16;
+            const __m512i d = _mm512_loadu_si512(w + ((t * quads + kq) * 4 + r) * kTileRows);
+            for (int j = 0; j < 4; ++j) {
+              const __m512i u = _mm512_and_si512(_mm512_srli_epi32(d, 8 * j), _mm512_set1_epi32(0xFF));
+              const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128)));
+              store16(o + (kq * 4 + j) * Np + n0, _mm512_mul_ps(v, scale));
+            }
+          }
+    });
+  });
+}
+
+void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group, at::Tensor out) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_dequantize_int4: bad layout");
+  const int64_t n_tiles = packed.size(0), octets = packed.size(1), Np = n_tiles * kTileRows, K = octets * 8;
+  const int64_t groups = K / group;
+  TORCH_CHECK(K % group == 0 && scales_zeros.numel() == n_tiles * groups * 2 * kTileRows, "quant_dequantize_int4: bad shape");
+  check_out(out, K, Np, "quant_dequantize_int4");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sz = scales_zeros.data_ptr<float>();
+  with_float_type(out.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t ko = 0; ko < octets; ++ko)  // a tile's 64 columns of W^T: whole cache lines
+          for (int r = 0; r < 4; ++r) {
+            const int64_t n0 = t * kTileRows + r * 16;
+            const float* g = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * 16;
+            const __m512 scale = _mm512_loadu_ps(g), zero = _mm512_loadu_ps(g + kTileRows);
+            // (q - 8) * scale + zero = q * scale + (zero - 8 * scale)
+            const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+            const __m512i d = _mm512_loadu_si512(w + ((t * octets + ko) * 4 + r) * kTileRows);
+            for (int j = 0; j < 8; ++j) {
+              const int shift = 8 * (j % 4) + 4 * (j / 4);
+              const __m512i q = _mm512_and_si512(_mm512_srli_epi32(d, shift), _mm512_set1_epi32(0x0F));
+              store16(o + (ko * 8 + j) * Np + n0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, base));
+            }
+          }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(travelator, m) {
+  m.def("quant_linear_int8(Tensor x, Tensor packed, Tensor scales, int N) -> Tensor");
+  m.impl("quant_linear_int8", c10::DispatchKey::CPU, &quant_linear_int8);
+  m.def("quant_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group, int N) -> Tensor");
+  m.def("quant_dequantize_int8(Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
+  m.impl("quant_dequantize_int8", c10::DispatchKey::CPU, &quant_dequantize_int8);
+  m.def("quant_dequantize_int4(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> ()");
+  m.impl("quant_dequantize_int4", c10::DispatchKey::CPU, &quant_dequantize_int4);
+  m.impl("quant_linear_int4", c10::DispatchKey::CPU, &quant_linear_int4);
+}
+#endif
