@@ -10,18 +10,32 @@ int8 / int4: fewer bytes to stream), and the last line gives their speed against
 
     python benchmarks/batch1_decode.py --model dummy:llama-250m --dtype bfloat16
     python benchmarks/batch1_decode.py --model dummy:llama-250m --quantization none int8 int4
+
+With ``--llama-server BIN`` llama.cpp's server decodes one request on a model of the same shape
+(../shared/peers/make_random_llama.py, bf16 GGUF; Q8_0 / Q4_0 copies for int8 / int4), and
+its own per-token time (``timings.predicted_per_token_ms``) is printed beside travelator's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
 import torch
 
 from travelator import LLM, SamplingParams
+
+PEERS = Path(__file__).resolve().parent.parent.parent / "shared" / "peers"
+GGUF_KIND = {"none": None, "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def weight_bytes_per_decode(model) -> int:
@@ -54,12 +68,76 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    ap.add_argument("--llama-server", help="a llama-server binary: its batch-1 decode too")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="LLAMA_ARG_REPACK=0 (its Q8_0/Q4_0 repacking segfaulted on the AMX VM)")
     args = ap.parse_args()
     steps = {q: measure(args, q) for q in args.quantization}
     base = args.quantization[0]
     if len(steps) > 1:
         print("batch-1 decode speed against " + base + ": "
               + ", ".join(f"{q} {steps[base] / t:.2f}x" for q, t in steps.items() if q != base))
+    if args.llama_server:
+        llama = llama_server_per_token(args)
+        for q, ms in llama.items():
+            print(f"llama.cpp {GGUF_KIND[q] or 'bf16'}: {ms:.1f} ms per token; travelator {q}: "
+                  f"{steps[q] * 1e3:.1f} ms per step ({ms / (steps[q] * 1e3):.2f}x llama.cpp's speed)", flush=True)
+
+
+def llama_server_per_token(args) -> dict[str, float]:
+    """llama.cpp's batch-1 decode, ms per token, on a random model of the preset's shape."""
+    from travelator.model.gguf_requantize import requantize_gguf
+
+    preset = args.model.split("-")[-1]  # dummy:llama-250m -> 250m
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, str(PEERS / "make_random_llama.py"), preset, f"{tmp}/hf"],
+                       check=True, capture_output=True)
+        subprocess.run([sys.executable, str(PEERS / "hf_to_gguf.py"), f"{tmp}/hf", f"{tmp}/bf16.gguf"],
+                       check=True, capture_output=True)
+        for q in args.quantization:
+            path = f"{tmp}/bf16.gguf"
+            if GGUF_KIND[q]:
+                path = f"{tmp}/{GGUF_KIND[q]}.gguf"
+                requantize_gguf(f"{tmp}/bf16.gguf", path, GGUF_KIND[q])
+            out[q] = llama_one_request(args, path)
+    return out
+
+
+def llama_one_request(args, gguf: str, port: int = 18437) -> float:
+    env = dict(os.environ, **({"LLAMA_ARG_REPACK": "0"} if args.llama_no_repack else {}))
+    cmd = [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(os.cpu_count()),
+           "--parallel", "1", "-c", "512", "-ctk", "bf16", "-ctv", "bf16"]
+    srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if srv.poll() is not None:
+                raise SystemExit(f"llama-server exited with {srv.returncode} on {gguf}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"llama-server did not become healthy on {gguf}") from None
+                time.sleep(0.5)
+        per_token = []
+        for _ in range(3):  # the first warms up
+            body = dict(prompt=[1] + list(range(3, 18)), n_predict=args.steps + 1, ignore_eos=True,
+                        temperature=0, cache_prompt=False)
+            req = urllib.request.Request(url + "/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                per_token.append(json.loads(r.read())["timings"]["predicted_per_token_ms"])
+        return statistics.median(per_token[1:])
+    finally:
+        srv.send_signal(signal.SIGTERM)
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
 
 
 def measure(args, quantization: str) -> float:

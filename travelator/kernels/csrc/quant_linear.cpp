@@ -27,7 +27,6 @@
 // Registered only where the compiler targets AVX512-VNNI and AVX512-BW; the Python side
 // dequantizes and calls the bf16 matmul elsewhere.
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -58,6 +57,23 @@ struct IntegerX {
   int64_t K = 0, block = 0, blocks = 0;
 };
 
+// fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
+template <typename Fn>
+auto with_float_type(at::ScalarType dtype, Fn fn) {
+  if (dtype == at::kFloat) return fn(static_cast<float*>(nullptr));
+  return fn(static_cast<c10::BFloat16*>(nullptr));
+}
+
+inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 lanes) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 template <typename scalar_t>
 IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, int64_t block) {
   IntegerX r;
@@ -65,22 +81,30 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
   r.hi.assign(M * K_padded, 0), r.lo.assign(M * K_padded, 0);
   r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
   for (int64_t m = 0; m < M; ++m) {
+    const scalar_t* row = x + m * K;
     for (int64_t b = 0; b < r.blocks; ++b) {
       const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
-      float mx = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, std::fabs(static_cast<float>(x[m * K + k])));
-      if (!(mx > 0.0f)) continue;  // all zero (or padding): xi = 0
-      const float xs = mx / kXMax, inv = kXMax / mx;
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const int32_t xi = std::clamp(static_cast<int32_t>(std::lrint(static_cast<float>(x[m * K + k]) * inv)), -kXMax, kXMax);
-        const int8_t lo = static_cast<int8_t>(static_cast<uint8_t>(xi & 0xFF));
-        r.lo[m * K_padded + k] = lo;
-        r.hi[m * K_padded + k] = static_cast<int8_t>((xi - lo) / 256);
-        sum += xi;
+      __m512 mx = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 16)
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(row + k, first_lanes(k1 - k))));
+      const float top = _mm512_reduce_max_ps(mx);
+      if (!(top > 0.0f)) continue;  // all zero (or padding): xi = 0
+      const __m512 inv = _mm512_set1_ps(kXMax / top);
+      const __m512i lim = _mm512_set1_epi32(kXMax);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 lanes = first_lanes(k1 - k);
+        // Round to nearest even (the default rounding mode), then clamp.
+        __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k, lanes), inv));
+        xi = _mm512_max_epi32(_mm512_min_epi32(xi, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(xi, 24), 24);  // low byte, signed
+        const __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(xi, lo), 8);
+        _mm512_mask_cvtepi32_storeu_epi8(&r.lo[m * K_padded + k], lanes, lo);
+        _mm512_mask_cvtepi32_storeu_epi8(&r.hi[m * K_padded + k], lanes, hi);
+        sum = _mm512_add_epi32(sum, _mm512_maskz_mov_epi32(lanes, xi));
       }
-      r.scale[m * r.blocks + b] = xs;
-      r.sum[m * r.blocks + b] = sum;
+      r.scale[m * r.blocks + b] = top / kXMax;
+      r.sum[m * r.blocks + b] = _mm512_reduce_add_epi32(sum);
     }
   }
   return r;
@@ -237,7 +261,8 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, cons
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const int64_t tile_bytes = K_padded * kTileRows;
-  return AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear_int8", [&] {
+  return with_float_type(x.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K_padded, kInt8Block);
     return run_tiles<scalar_t>(x, N, n_tiles,
       [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int8<1>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride); },
@@ -261,7 +286,8 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sz = scales_zeros.data_ptr<float>();
   const int64_t tile_bytes = K / 2 * kTileRows, tile_sz = K / group * 2 * kTileRows;
-  return AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_linear_int4", [&] {
+  return with_float_type(x.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K, group);
     return run_tiles<scalar_t>(x, N, n_tiles,
       [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int4<1>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride); },
@@ -279,13 +305,6 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-// fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
-template <typename Fn>
-void with_float_type(at::ScalarType dtype, Fn fn) {
-  if (dtype == at::kFloat) fn(static_cast<float*>(nullptr));
-  else fn(static_cast<c10::BFloat16*>(nullptr));
 }
 
 void check_out(const at::Tensor& out, int64_t K, int64_t Np, const char* name) {
