@@ -146,3 +146,34 @@ def test_rows_do_not_depend_on_the_batch_or_the_chunking(dtype, prompt_len, chun
             out = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d)
             got = out[rows[0] : rows[0] + n]
             assert torch.equal(got, whole[start : start + n]), (chunk, start)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_a_lone_request_split_over_kv_heads_matches_itself_in_a_batch(dtype, tiled):
+    """One request alone is fewer work items than threads, so the kernel splits it over its KV
+    heads: the same rows as in a batch of four (not split), bit for bit, and the reference.
+    A decode at 700 keys and a 12-query chunk at 300."""
+    heads, kvh, d, bs = 8, 4, 64, 16
+    k_cache, v_cache = make_cache(200, bs, kvh, d, dtype, seed=11)
+    rng = random.Random(5)
+    blocks = rng.sample(range(200), 200)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for context, n in [(699, 1), (300, 12)]:
+            need = -(-(context + n) // bs)
+            mine = (context, n, blocks[:need])
+            others = [(c, 1, blocks[need + 3 * i: need + 3 * i + 3]) for i, c in enumerate((20, 35, 47))]
+            q = torch.randn(n + 3, heads, d, generator=torch.Generator().manual_seed(context)).to(dtype)
+            alone = attend("native", q[:n], k_cache, v_cache, [mine], heads, kvh, d, tiled)
+            reqs = [mine] + others if n == 1 else others + [mine]  # decodes first
+            q_batch = q if n == 1 else torch.cat([q[n:], q[:n]])
+            batch = attend("native", q_batch, k_cache, v_cache, reqs, heads, kvh, d, tiled)
+            in_batch = batch[:n] if n == 1 else batch[3:]
+            assert torch.equal(alone, in_batch), (context, n)
+            ref = reference(q[:n], k_cache, v_cache, [mine], d**-0.5)
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(alone.double(), ref, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)

@@ -209,34 +209,70 @@ def _native_ops(batch_invariant: bool = False):
     return NativeOps(batch_invariant=batch_invariant)
 
 
+def _reference_weight(q) -> torch.Tensor:
+    """The float64 weight a quantized one stands for, from its codes and scales by the formulas
+    (not by the kernels' own dequantization)."""
+    if isinstance(q, Int8Weight):
+        return q.codes().double() * q.scales[: q.out_features, None].double()
+    scale, zero = q.group_params()
+    n, k = q.shape
+    return ((q.codes().double().reshape(n, -1, q.group_size) - 8) * scale[..., None].double()
+            + zero[..., None].double()).reshape(n, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 40])  # 40: past the kernel, dequantized into oneDNN's GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 40])  # 40: past the kernel, dequantized into the GEMM
 @pytest.mark.parametrize("method,k,group", [("int8", 1024, 0), ("int8", 200, 0), ("int4", 256, 32),
-                                            ("int4", 1024, 128)])
+                                            ("int4", 1024, 128), ("int4", 512, 256)])
 def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k, group, rows, dtype):
     """The engine's integer kernel (``quant_linear.cpp``; 200 inputs: a padded block of x) and
-    its dequantizing path, against x @ w^T in float64 with w written from the codes and scales
-    by the formulas (not by the kernel's own dequantization). 136 outputs: a partial tile. One
-    large input lies in every row, as real activations have: x's integer form must keep the
-    small ones."""
+    its dequantizing path, against x @ w^T in float64. 136 outputs: a partial tile. One large
+    input lies in every row, as real activations have: x's integer form must keep the small
+    ones."""
     ops = _native_ops()
     w = torch.randn(136, k, generator=torch.Generator().manual_seed(2)) * 0.02
     q = quantize(w, method, group) if method == "int4" else quantize(w, method)
-    if method == "int8":
-        ref_w = q.codes().double() * q.scales[:136, None].double()
-    else:
-        scale, zero = q.group_params()
-        ref_w = ((q.codes().double().reshape(136, -1, group) - 8) * scale[..., None].double()
-                 + zero[..., None].double()).reshape(136, k)
     x = _x(rows, k, torch.float32)
     x[:, 7] = 30.0
     x = x.to(dtype)
-    got = ops.linear(x, q).double()
-    ref = x.double() @ ref_w.T
+    got = ops.linear(x, q)
+    ref = x.double() @ _reference_weight(q).T
     # bf16 output: its own rounding (2^-9 of each value) is the bound; float32: the integer form of x.
     tol = 8e-3 if dtype == torch.bfloat16 else 1e-4
-    assert got.dtype == torch.float64 and got.shape == (rows, 136)
-    assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert got.dtype == dtype and got.shape == (rows, 136)
+    assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart():
+    """NaN in x comes out as NaN (in its own row only); a bias is added; 3-D x and 0 rows;
+    float16 goes through torch; the dequantizing path (more than 32 rows) in several column
+    blocks of a kept buffer, used by layers of other sizes and dtypes in between."""
+    from travelator.model.ops import DEQUANT_TILES
+
+    ops = _native_ops()
+    g = torch.Generator().manual_seed(9)
+    wide = quantize(torch.randn(DEQUANT_TILES * 64 + 100, 256, generator=g) * 0.02, "int4", 64)  # 2 blocks
+    small = quantize(torch.randn(64, 128, generator=g) * 0.02, "int8")
+    bias = torch.randn(wide.out_features, generator=g)
+    for rows in (2, 40):
+        x = torch.randn(rows, 256, generator=g)
+        x[1, 3] = float("nan")
+        got = ops.linear(x, wide, bias)
+        ref = x.double() @ _reference_weight(wide).T + bias.double()
+        assert torch.isnan(got[1]).all() and not torch.isnan(got[0]).any()
+        keep = torch.arange(rows) != 1
+        assert torch.allclose(got[keep].double(), ref[keep], rtol=1e-4, atol=1e-4 * ref[keep].abs().max().item())
+        for dtype in (torch.bfloat16, torch.float32):  # the small layer in between, both dtypes
+            xs = torch.randn(40, 128, generator=g).to(dtype)
+            ref_small = xs.double() @ _reference_weight(small).T
+            assert torch.allclose(ops.linear(xs, small).double(), ref_small, rtol=1e-2,
+                                  atol=1e-2 * ref_small.abs().max().item())
+    x3 = torch.randn(2, 3, 128, generator=g)
+    assert torch.allclose(ops.linear(x3, small), ops.linear(x3.reshape(6, 128), small).reshape(2, 3, 64))
+    assert ops.linear(torch.empty(0, 128), small).shape == (0, 64)
+    xh = torch.randn(3, 128, generator=g).half()
+    ref_h = xh.double() @ _reference_weight(small).T
+    assert torch.allclose(ops.linear(xh, small).double(), ref_h, rtol=1e-2, atol=1e-2 * ref_h.abs().max().item())
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -33,6 +33,8 @@ from travelator.model.quant import QUANT_KERNEL_ROWS, TILE_ROWS, Int8Weight, Qua
 SMALL_M_ROWS = 2
 # Rows of every linear-layer call in batch-invariant mode.
 INVARIANT_ROWS = 64
+# Tiles of 64 output rows a quantized layer is dequantized in at a time (past the kernel's rows).
+DEQUANT_TILES = 32
 
 
 class TorchOps:
@@ -93,9 +95,11 @@ class NativeOps(TorchOps):
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
         # int8/int4 weights at up to QUANT_KERNEL_ROWS rows (AVX512-VNNI builds); its rows do
         # not depend on each other, so it stays on when batch-invariant.
-        self._quant_linear = hasattr(self._ops, "quant_linear_int8")
-        # Past QUANT_KERNEL_ROWS rows a quantized layer is dequantized into this buffer (kept:
-        # a fresh one costs its page faults) and multiplied on oneDNN's GEMM.
+        self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI
+        self._quant_dequantize_built = hasattr(self._ops, "quant_dequantize_int8")  # AVX512-BW
+        # Past QUANT_KERNEL_ROWS rows a quantized layer is dequantized, DEQUANT_TILES tiles of
+        # output rows at a time, into this buffer (kept: a fresh one costs its page faults as
+        # much as the work; bounded: at most DEQUANT_TILES * 64 columns of the weight).
         self._dequantized = torch.empty(0)
         # Likewise the tiled attention kernel for prefill tiles.
         self.tiled_prefill_attention = not batch_invariant
@@ -109,15 +113,7 @@ class NativeOps(TorchOps):
 
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, torch.Tensor):  # quantized: int8 / int4
-            if not self._quant_linear:
-                if self.batch_invariant:
-                    return _in_fixed_tiles(lambda rows: _quantized_linear(rows, weight, bias), x)
-                return _quantized_linear(x, weight, bias)
-            if self.batch_invariant or x.shape[:-1].numel() <= QUANT_KERNEL_ROWS:
-                # Up to a few dozen rows: the engine's integer kernel streams the quantized bytes.
-                # Its rows do not depend on each other, so batch-invariant mode takes it always.
-                return self._quant_kernel(x, weight, bias)
-            return F.linear(x, self._dequantize(weight, x.dtype), bias)
+            return self._quantized_linear(x, weight, bias)
         packed = self._packed.get(weight)
         if packed is None:
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
@@ -131,6 +127,19 @@ class NativeOps(TorchOps):
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
 
+    def _quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """Up to QUANT_KERNEL_ROWS rows, the engine's integer kernel, which streams the quantized
+        bytes; its rows never depend on each other, so batch-invariant mode takes it for any
+        count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN)."""
+        native = x.dtype in (torch.bfloat16, torch.float32)
+        if native and self._quant_kernel_built and (self.batch_invariant or x.shape[:-1].numel() <= QUANT_KERNEL_ROWS):
+            return self._quant_kernel(x, weight, bias)
+        if native and self._quant_dequantize_built:
+            call = lambda rows: self._dequantized_linear(rows, weight, bias)  # noqa: E731
+        else:  # no native build, or float16: torch dequantizes the whole weight every call
+            call = lambda rows: _quantized_linear(rows, weight, bias)  # noqa: E731
+        return _in_fixed_tiles(call, x) if self.batch_invariant else call(x)
+
     def _quant_kernel(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if isinstance(weight, Int8Weight):
@@ -142,17 +151,28 @@ class NativeOps(TorchOps):
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.out_features)
 
-    def _dequantize(self, weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's float weight [out, in] (a transposed view into the kept buffer)."""
-        k, n = weight.packed.shape[1] * (4 if isinstance(weight, Int8Weight) else 8), weight.packed.shape[0] * TILE_ROWS
-        if self._dequantized.dtype != dtype or self._dequantized.numel() < k * n:
-            self._dequantized = torch.empty(k * n, dtype=dtype)
-        out = self._dequantized[: k * n].view(k, n)
-        if isinstance(weight, Int8Weight):
-            self._ops.quant_dequantize_int8(weight.packed, weight.scales, out)
-        else:
-            self._ops.quant_dequantize_int4(weight.packed, weight.scales_zeros, weight.group_size, out)
-        return out[: weight.in_features, : weight.out_features].T
+    def _dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        int8 = isinstance(weight, Int8Weight)
+        k = weight.packed.shape[1] * (4 if int8 else 8)  # int8: padded to INT8_K_BLOCK
+        tiles = weight.packed.shape[0]
+        width = min(tiles, DEQUANT_TILES) * TILE_ROWS
+        if self._dequantized.dtype != x.dtype or self._dequantized.numel() < k * width:
+            self._dequantized = torch.empty(k * width, dtype=x.dtype)
+        out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
+        for t0 in range(0, tiles, DEQUANT_TILES):
+            t1 = min(tiles, t0 + DEQUANT_TILES)
+            w_t = self._dequantized[: k * (t1 - t0) * TILE_ROWS].view(k, (t1 - t0) * TILE_ROWS)  # W^T
+            if int8:
+                self._ops.quant_dequantize_int8(weight.packed[t0:t1], weight.scales[t0 * TILE_ROWS:t1 * TILE_ROWS], w_t)
+            else:
+                self._ops.quant_dequantize_int4(weight.packed[t0:t1], weight.scales_zeros[t0:t1], weight.group_size,
+                                                w_t)
+            n0, n1 = t0 * TILE_ROWS, min(weight.out_features, t1 * TILE_ROWS)
+            out[:, n0:n1] = rows @ w_t[: weight.in_features, : n1 - n0]
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], weight.out_features)
 
     def rms_norm(self, x, norm):
         return self._ops.rms_norm(x, norm.weight, norm.eps)

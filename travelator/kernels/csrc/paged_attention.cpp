@@ -5,8 +5,9 @@
 // Batch invariance by construction: every (query, head) row is reduced on its own,
 // over the keys in cache-block order (block 0, 1, ...: absolute positions, so the same
 // for a decode, a prefill chunk or a whole prompt), with the same code whatever else is
-// in the call. Work is split over threads by (request, KV head, query tile), never
-// inside a row, so the thread count and the batch change nothing in a row's result.
+// in the call. Work is split over threads by (request, query tile, and a range of KV heads
+// when there are fewer items than threads), never inside a row, so the thread count and the
+// batch change nothing in a row's result.
 //
 // Per key block: K is transposed into a float [D][bs] tile, so a row's bs scores are
 // accumulated over d in a fixed order (vectorised across keys, no horizontal sums);
@@ -93,6 +94,7 @@ struct WorkItem {
   int64_t request;
   int64_t first_query;  // within the request's chunk
   int64_t num_queries;
+  int64_t first_head, end_head;  // KV heads [first_head, end_head)
 };
 
 template <typename scalar_t, typename cache_t>
@@ -183,7 +185,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale) {
-  for (int64_t h = 0; h < num_kv_heads; ++h)
+  for (int64_t h = w.first_head; h < w.end_head; ++h)
     attend_item_head(w, h, q, k_cache, v_cache, out, query_start, seq_lens, block_tables,
                      table_width, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale);
 }
@@ -256,7 +258,7 @@ inline void pv_any_rows(int64_t rows, float* acc, const float* p, int64_t n_keys
   pv_rows<cache_t, kChunks, R>(acc, p, n_keys, vrows);
 }
 
-// Ask for the rows of 16 keys (every KV head: a key's rows are contiguous in a block).
+// Ask for the rows of 16 keys (`key_bytes` from each: the item's KV heads, contiguous in a block).
 template <typename cache_t>
 inline void prefetch_keys(const cache_t* cache, const int64_t* key_offset, int64_t key_bytes, int hint) {
   for (int64_t j = 0; j < 16; ++j) {
@@ -293,7 +295,10 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   const int64_t all_rows = num_kv_heads * rows;  // row h * rows + r: head h's row r
   const int64_t token0 = query_start[w.request] + w.first_query;
   const int64_t key_stride = num_kv_heads * D;  // a key's rows, all heads, in a block
-  const int64_t key_bytes = key_stride * static_cast<int64_t>(sizeof(cache_t));
+  // The item's heads of a key: its part of the key's row in a block.
+  const int64_t key_bytes = (w.end_head - w.first_head) * D * static_cast<int64_t>(sizeof(cache_t));
+  const cache_t* k_heads = k_cache + w.first_head * D;
+  const cache_t* v_heads = v_cache + w.first_head * D;
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<float> m(all_rows, -std::numeric_limits<float>::infinity()), l(all_rows, 0.0f);
@@ -313,13 +318,13 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       const int64_t pos = chunk0 + std::min(j, chunk_keys - 1);
       key_offset[j] = (table[pos / bs] * bs + pos % bs) * key_stride;
     }
-    prefetch_keys(k_cache, key_offset.data(), key_bytes, 0);
+    prefetch_keys(k_heads, key_offset.data(), key_bytes, 0);
     // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
     // every row that sees at least one of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
-      prefetch_keys(k_cache, &key_offset[g0 + 16], key_bytes, 0);
-      prefetch_keys(v_cache, &key_offset[g0], key_bytes, 1);  // for step (3)
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+      prefetch_keys(k_heads, &key_offset[g0 + 16], key_bytes, 0);
+      prefetch_keys(v_heads, &key_offset[g0], key_bytes, 1);  // for step (3)
+      for (int64_t h = w.first_head; h < w.end_head; ++h) {
         const cache_t* krows[16];
         for (int64_t j = 0; j < 16; ++j) krows[j] = k_cache + key_offset[g0 + j] + h * D;
         if constexpr (!kPairDots) {
@@ -338,7 +343,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     // (2) online softmax, once per row and chunk: p = exp(s - m_new) over the row's
     // visible keys, exactly 0 elsewhere (so that (3) may run rows of different lengths
     // together: adding 0 * v changes nothing); acc *= exp(m_old - m_new).
-    for (int64_t hr = 0; hr < all_rows; ++hr) {
+    for (int64_t hr = w.first_head * rows; hr < w.end_head * rows; ++hr) {
       const int64_t n_valid = std::min(chunk_keys, first_pos + (hr % rows) / group + 1 - chunk0);
       float* sr = &s[hr * kKeyChunk];
       if (n_valid <= 0) {
@@ -370,8 +375,8 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     // (3) acc += p.V, 16 keys at a time, a few rows at a time, each V row converted once
     // for all of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
-      prefetch_keys(v_cache, &key_offset[g0 + 16], key_bytes, 0);
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+      prefetch_keys(v_heads, &key_offset[g0 + 16], key_bytes, 0);
+      for (int64_t h = w.first_head; h < w.end_head; ++h) {
         const cache_t* vrows[16];
         for (int64_t j = 0; j < 16; ++j) vrows[j] = v_cache + key_offset[g0 + j] + h * D;
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBatch) {
@@ -385,7 +390,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       }
     }
   }
-  for (int64_t hr = 0; hr < all_rows; ++hr) {
+  for (int64_t hr = w.first_head * rows; hr < w.end_head * rows; ++hr) {
     const int64_t h = hr / rows, row = hr % rows;
     scalar_t* dst = out + ((token0 + row / group) * num_heads + h * group + row % group) * D;
     const float inv = 1.0f / l[hr];
@@ -463,7 +468,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   }
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair = _mm512_load_si512(pair_idx);
 
-  for (int64_t h = 0; h < num_kv_heads; ++h) {
+  for (int64_t h = w.first_head; h < w.end_head; ++h) {
     // Q transposed: lane i of qt[rb][p] is dims (2p, 2p+1) of row rb * 16 + i; padded rows
     // repeat the last one (computed, never written).
     for (int64_t r = 0; r < rpad; ++r) {
@@ -578,7 +583,20 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
     const int64_t n = qs[r + 1] - qs[r];
-    for (int64_t t = 0; t < n; t += kQueryTile) items.push_back({r, t, std::min(kQueryTile, n - t)});
+    for (int64_t t = 0; t < n; t += kQueryTile) items.push_back({r, t, std::min(kQueryTile, n - t), 0, num_kv_heads});
+  }
+  // Fewer items than threads (one or two requests decoding): split each over its KV heads,
+  // so that every thread has work. A row is still computed whole, by the same code.
+  const int64_t threads = at::get_num_threads();
+  if (static_cast<int64_t>(items.size()) < threads && num_kv_heads > 1) {
+    const int64_t parts = std::min(num_kv_heads, (threads + static_cast<int64_t>(items.size()) - 1) /
+                                                     static_cast<int64_t>(items.size()));
+    std::vector<WorkItem> split;
+    for (const WorkItem& w : items)
+      for (int64_t p = 0; p < parts; ++p)
+        split.push_back({w.request, w.first_query, w.num_queries, num_kv_heads * p / parts,
+                         num_kv_heads * (p + 1) / parts});
+    items.swap(split);
   }
   // Longest items first, handed out one at a time: causal tiles differ a lot in cost.
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {

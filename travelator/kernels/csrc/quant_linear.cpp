@@ -37,17 +37,29 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t kTileRows = 64;     // output rows of a tile: 4 vectors of 16 lanes
+
+// fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
+template <typename Fn>
+auto with_float_type(at::ScalarType dtype, Fn fn) {
+  if (dtype == at::kFloat) return fn(static_cast<float*>(nullptr));
+  return fn(static_cast<c10::BFloat16*>(nullptr));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (int8 weights)
 constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
+constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zero
 
 // x in integers: per row, hi and lo bytes [K] and per block its scale and sum of xi.
 struct IntegerX {
@@ -56,13 +68,6 @@ struct IntegerX {
   std::vector<int32_t> sum;
   int64_t K = 0, block = 0, blocks = 0;
 };
-
-// fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
-template <typename Fn>
-auto with_float_type(at::ScalarType dtype, Fn fn) {
-  if (dtype == at::kFloat) return fn(static_cast<float*>(nullptr));
-  return fn(static_cast<c10::BFloat16*>(nullptr));
-}
 
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 lanes) {
@@ -85,10 +90,19 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
     for (int64_t b = 0; b < r.blocks; ++b) {
       const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
       __m512 mx = _mm512_setzero_ps();
-      for (int64_t k = k0; k < k1; k += 16)
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(load16(row + k, first_lanes(k1 - k))));
+      __mmask16 nan = 0;
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __m512 v = load16(row + k, first_lanes(k1 - k));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      }
+      if (nan) {  // a NaN in x: the block's sums are NaN, as in float
+        r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       const float top = _mm512_reduce_max_ps(mx);
-      if (!(top > 0.0f)) continue;  // all zero (or padding): xi = 0
+      // All zero (or padding), or too small for kXMax / top to be finite: xi = 0.
+      if (!(top > kXMinTop)) continue;
       const __m512 inv = _mm512_set1_ps(kXMax / top);
       const __m512i lim = _mm512_set1_epi32(kXMax);
       __m512i sum = _mm512_setzero_si512();
@@ -225,6 +239,7 @@ template <typename scalar_t, typename TileFn1, typename TileFn2>
 at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn1 one, TileFn2 two) {
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
   auto* yp = y.data_ptr<scalar_t>();
   at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out_rows(M * kTileRows);
@@ -244,7 +259,6 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn1 on
 void check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
               name, ": x must be contiguous bf16 or float32 [M, K]");
-  TORCH_CHECK(x.size(0) >= 1, name, ": no rows");
 }
 
 // x [M, K] bf16; packed uint8 [N_padded / 64, K_padded / 4, 4, 64] (K_padded: K rounded up to
@@ -295,6 +309,9 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   });
 }
 
+#endif  // AVX512-VNNI
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 // The float weights, transposed: [K, N padded to 64] in `dtype`, for many rows of x, where
 // the bf16 GEMM (AMX) on a dequantized copy beats the integer kernel. A vector's 16 lanes
 // are 16 output rows, which lie side by side in W^T: every store is a whole vector.
@@ -372,16 +389,21 @@ void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_ze
   });
 }
 
+#endif  // AVX512F, AVX512BW
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("quant_linear_int8(Tensor x, Tensor packed, Tensor scales, int N) -> Tensor");
   m.impl("quant_linear_int8", c10::DispatchKey::CPU, &quant_linear_int8);
   m.def("quant_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group, int N) -> Tensor");
+  m.impl("quant_linear_int4", c10::DispatchKey::CPU, &quant_linear_int4);
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   m.def("quant_dequantize_int8(Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
   m.impl("quant_dequantize_int8", c10::DispatchKey::CPU, &quant_dequantize_int8);
   m.def("quant_dequantize_int4(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> ()");
   m.impl("quant_dequantize_int4", c10::DispatchKey::CPU, &quant_dequantize_int4);
-  m.impl("quant_linear_int4", c10::DispatchKey::CPU, &quant_linear_int4);
-}
 #endif
+}
