@@ -157,6 +157,41 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
         assert torch.allclose(builder.finish().dequantize(), reference, rtol=0, atol=1e-5)
 
 
+K_QUANTS = {"q4_k": ("Q4_K", 144, (0, 2)), "q6_k": ("Q6_K", 210, (208,))}  # bytes a block, where its fp16s lie
+
+
+@pytest.mark.parametrize("kind", list(K_QUANTS))
+def test_k_quant_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
+    """Q4_K and Q6_K super-blocks of random bytes (every byte pattern is a block; the fp16
+    scales set to small finite values) against the gguf package's dequantization; Q4_K then
+    goes into int4 groups of 32 exactly as it is, Q6_K into int8 per channel."""
+    import gguf
+    import numpy as np
+
+    name, size, fp16_at = K_QUANTS[kind]
+    rng = np.random.default_rng(3)
+    rows, cols = 70, 512
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at in fp16_at:
+        raw[..., at:at + 2] = (rng.random((rows, cols // 256)) * 0.01).astype(np.float16).view(np.uint8).reshape(
+            rows, cols // 256, 2)
+    raw = raw.reshape(rows, -1)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name))
+                                 .reshape(rows, cols).astype(np.float32))
+    blocks = parse_gguf_blocks(raw, kind, rows, cols)
+    assert torch.allclose(blocks.dequantize(), reference, rtol=0, atol=1e-6 * reference.abs().max().item())
+    builder = QuantizedBuilder((rows, cols), blocks.method, 32)
+    builder.write_blocks(0, blocks)
+    kept = builder.finish()
+    if kind == "q4_k":  # exactly the file's numbers, as int4
+        assert isinstance(kept, Int4Weight)
+        assert torch.allclose(kept.dequantize(), reference, rtol=0, atol=1e-6 * reference.abs().max().item())
+    else:  # requantized per channel: within half an int8 step
+        assert isinstance(kept, Int8Weight)
+        step = reference.abs().amax(dim=1, keepdim=True) / 127
+        assert ((kept.dequantize() - reference).abs() <= step / 2 * (1 + 1e-4)).all()
+
+
 @needs_stories
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_a_quantized_gguf_file_stays_quantized(tmp_path, kind):

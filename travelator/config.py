@@ -87,7 +87,7 @@ class ModelConfig:
     quantization: Annotated[Quantization, Setting(
         "weights of the linear layers (QKV, output, gate/up, down) kept quantized on the CPU: int8 per "
         "output channel, or int4 in groups of quantization_group_size inputs, quantized at load; "
-        "auto: a GGUF file's Q8_0 tensors stay int8 and its Q4_0/Q4_1 tensors int4, other "
+        "auto: a GGUF file's Q8_0/Q6_K tensors stay int8 and its Q4_0/Q4_1/Q4_K tensors int4, other "
         "checkpoints stay as they are; none: everything dequantized")] = "auto"
     quantization_group_size: Annotated[int, Setting(
         "int4: inputs per group sharing a scale and a zero point (32, 64, 128 or 256)")] = 128

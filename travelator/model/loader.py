@@ -154,13 +154,14 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
-    """The file's tensors under HF names, as float32 tensors; a linear layer's Q8_0, Q4_0 or
-    Q4_1 tensor as its blocks (``BlockQuantized``), for the model to keep quantized or to
-    dequantize (``LlamaModel.load_weights``). Other quantized types are dequantized here."""
+    """The file's tensors under HF names, as float32 tensors; a linear layer's Q8_0, Q6_K,
+    Q4_0, Q4_1 or Q4_K tensor as its blocks (``BlockQuantized``), for the model to keep
+    quantized or to dequantize (``LlamaModel.load_weights``). Other quantized types are
+    dequantized here."""
     import gguf
 
-    kept = {gguf.GGMLQuantizationType.Q8_0: "q8_0", gguf.GGMLQuantizationType.Q4_0: "q4_0",
-            gguf.GGMLQuantizationType.Q4_1: "q4_1"}
+    kinds = gguf.GGMLQuantizationType
+    kept = {kinds.Q8_0: "q8_0", kinds.Q6_K: "q6_k", kinds.Q4_0: "q4_0", kinds.Q4_1: "q4_1", kinds.Q4_K: "q4_k"}
     warned: set[str] = set()
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne order is reversed
@@ -179,8 +180,8 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             if linear and t.tensor_type.name not in warned:
                 warned.add(t.tensor_type.name)
-                logger.warning("GGUF %s tensors (like %s) are dequantized at load: only Q8_0, Q4_0 and Q4_1 "
-                            "stay quantized", t.tensor_type.name, t.name)
+                logger.warning("GGUF %s tensors (like %s) are dequantized at load: only Q8_0, Q6_K, Q4_0, "
+                               "Q4_1 and Q4_K stay quantized", t.tensor_type.name, t.name)
             data = gguf.quants.dequantize(data, t.tensor_type)
         arr = np.asarray(data, dtype=np.float32).reshape(shape)
         if t.name == "token_embd.weight":

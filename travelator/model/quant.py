@@ -232,17 +232,21 @@ class QuantizedBuilder:
 
 
 # ---- GGUF blocks kept quantized -----------------------------------------------------------
-GGUF_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block
+GGUF_BLOCK = 32  # elements per Q8_0 / Q4_0 / Q4_1 block, and per Q4_K sub-block
+GGUF_SUPER = 256  # elements per Q4_K / Q6_K super-block
+_INT8_KINDS = ("q8_0", "q6_k")  # into int8 (their block scales folded into one per row)
 
 
 @dataclass(slots=True)
 class BlockQuantized:
-    """A GGUF tensor's Q8_0, Q4_0 or Q4_1 blocks, unpacked but not dequantized: codes and, per
-    block of 32 inputs, a scale (and for Q4 the int4 kernel's zero point)."""
+    """A GGUF tensor's Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K blocks, unpacked but not dequantized:
+    codes and, per block of inputs, a scale (and for the 4-bit kinds the int4 layout's zero
+    point). Q4_K's sub-blocks of 32 are int4 groups as they are; Q6_K's 16-input blocks go
+    into int8 per channel."""
 
-    kind: str  # "q8_0", "q4_0" or "q4_1"
-    codes: torch.Tensor  # int8 (q8_0: w = code * scale) or uint8 in [0, 15] (q4: w = (code - 8) * scale + zero)
-    scale: torch.Tensor  # float32 [rows, in / 32]
+    kind: str  # "q8_0", "q6_k", "q4_0", "q4_1" or "q4_k"
+    codes: torch.Tensor  # int8 (q8_0, q6_k: w = code * scale) or uint8 in [0, 15] (q4: w = (code - 8) * scale + zero)
+    scale: torch.Tensor  # float32 [rows, in / block]
     zero: torch.Tensor | None = None  # q4: float32 [rows, in / 32]
 
     @property
@@ -251,7 +255,12 @@ class BlockQuantized:
 
     @property
     def method(self) -> QuantMethod:
-        return "int8" if self.kind == "q8_0" else "int4"
+        return "int8" if self.kind in _INT8_KINDS else "int4"
+
+    @property
+    def block(self) -> int:
+        """Inputs per scale."""
+        return 16 if self.kind == "q6_k" else GGUF_BLOCK
 
     def rows(self, order: torch.Tensor) -> "BlockQuantized":
         """The same rows in another order (GGUF's rope layout of Q and K)."""
@@ -259,23 +268,58 @@ class BlockQuantized:
                               None if self.zero is None else self.zero[order])
 
     def dequantize(self) -> torch.Tensor:
-        rows, cols = self.shape
-        s = self.scale.repeat_interleave(GGUF_BLOCK, dim=1)
-        if self.kind == "q8_0":
+        s = self.scale.repeat_interleave(self.block, dim=1)
+        if self.kind in _INT8_KINDS:
             return self.codes.float() * s
         return (self.codes.float() - 8) * s + self.zero.repeat_interleave(GGUF_BLOCK, dim=1)
 
 
-def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
-    """``raw``: a Q8_0 / Q4_0 / Q4_1 tensor's bytes, [rows, bytes per row] (ggml's layout: per
-    block an fp16 scale d, for Q4_1 an fp16 minimum m, then the codes; a Q4 block's byte j
-    holds element j in its low nibble and element j + 16 in its high one)."""
+def _fp16(raw):
+    """Little-endian fp16 bytes [..., 2] as float32 [...]."""
     import numpy as np
 
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
+    """``raw``: a tensor's bytes, [rows, bytes per row], in ggml's block layouts:
+    - Q8_0 (32 inputs): fp16 scale d, 32 int8 codes; w = d q.
+    - Q4_0 / Q4_1 (32): fp16 d (Q4_1: then fp16 minimum m), 16 bytes, byte j holding input j
+      in its low nibble and j + 16 in its high one; w = d (q - 8), or d q + m.
+    - Q4_K (256): fp16 d and dmin, 12 bytes of 6-bit scales and minimums of 8 sub-blocks of 32,
+      128 bytes of codes (per 64 inputs, 32 bytes: low nibbles the first 32, high the next);
+      w = d sc q - dmin mn per sub-block.
+    - Q6_K (256): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales of 16-input
+      blocks, fp16 d; w = d sc (q - 32)."""
+    import numpy as np
+
+    data = np.asarray(raw, dtype=np.uint8)
+    if kind in ("q4_k", "q6_k"):
+        supers = cols // GGUF_SUPER
+        b = data.reshape(rows, supers, -1)
+        if kind == "q4_k":
+            d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+            packed = b[..., 4:16].reshape(rows, supers, 3, 4)  # 6-bit scales and minimums
+            lo, mid, hi = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+            sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
+            mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1).astype(np.float32)
+            qs = b[..., 16:].reshape(rows, supers, 4, 32)
+            codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)  # (chunk, half, j)
+            scale = (d[..., None] * sc).reshape(rows, -1)  # exact in float32
+            zero = 8 * scale - (dmin[..., None] * mn).reshape(rows, -1)  # w = (q - 8) scale + zero
+            return BlockQuantized(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale),
+                                  torch.from_numpy(zero.astype(np.float32)))
+        ql, qh = b[..., :128].reshape(rows, supers, 2, 1, 64), b[..., 128:192].reshape(rows, supers, 2, 1, 32)
+        low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [.., half, 2, 64]
+        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [.., half, 4, 32]
+        q = low.reshape(rows, supers, 2, 4, 32) | (high << 4)
+        codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
+        scale = b[..., 192:208].copy().view(np.int8).astype(np.float32) * _fp16(b[..., 208:210])[..., None]
+        return BlockQuantized(kind, torch.from_numpy(codes), torch.from_numpy(scale.reshape(rows, -1)))
     head = {"q8_0": 2, "q4_0": 2, "q4_1": 4}[kind]
     payload = GGUF_BLOCK if kind == "q8_0" else GGUF_BLOCK // 2
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // GGUF_BLOCK, head + payload)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    blocks = data.reshape(rows, cols // GGUF_BLOCK, head + payload)
+    d = _fp16(blocks[..., :2])
     data = blocks[..., head:]
     if kind == "q8_0":
         codes = data.copy().view(np.int8).reshape(rows, cols)
@@ -284,6 +328,6 @@ def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
     if kind == "q4_0":  # w = d * (q - 8)
         zero = np.zeros_like(d)
     else:  # q4_1: w = d * q + m = (q - 8) * d + (m + 8 d)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = _fp16(blocks[..., 2:4])
         zero = m + 8 * d
     return BlockQuantized(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(zero))
