@@ -219,6 +219,80 @@ def test_a_quantized_gguf_file_stays_quantized(tmp_path, kind):
     assert kl <= 1e-3 and top1 >= 0.98
 
 
+def _random_k_blocks(kind: str, rows: int, cols: int, rng):
+    """Random Q4_K / Q6_K super-blocks (any bytes are a block), their fp16 scales small."""
+    import numpy as np
+
+    _, size, fp16_at = K_QUANTS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    top = 2e-5 if kind == "q4_k" else 5e-6  # weights of about 0.02
+    for at in fp16_at:
+        raw[..., at:at + 2] = (rng.random((rows, cols // 256)) * top).astype(np.float16).view(np.uint8).reshape(
+            rows, cols // 256, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_k_quant_gguf(src, dst) -> None:
+    """A 2-layer Llama with stories260K's tokenizer, wide enough for 256-input super-blocks
+    (hidden 256, FFN 512, 8 heads of 32 over 4 KV heads), random weights, its linear layers
+    mixed as in a Q4_K_M file: Q4_K, with V and the down projection in Q6_K."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    wide = {"llama.embedding_length": 256, "llama.feed_forward_length": 512, "llama.block_count": 2,
+            "llama.rope.dimension_count": 32}
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        value = wide.get(f.name, f.contents())
+        writer.add_key_value(f.name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    floats = {"token_embd.weight": (512, 256), "output.weight": (512, 256)}
+    for name, shape in floats.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    kinds = {"attn_q": ("q4_k", 256, 256), "attn_k": ("q4_k", 128, 256), "attn_v": ("q6_k", 128, 256),
+             "attn_output": ("q4_k", 256, 256), "ffn_gate": ("q4_k", 512, 256), "ffn_up": ("q4_k", 512, 256),
+             "ffn_down": ("q6_k", 256, 512)}
+    for layer in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(256, dtype=np.float32))
+        for part, (kind, rows, cols) in kinds.items():
+            qtype = getattr(gguf.GGMLQuantizationType, K_QUANTS[kind][0])
+            writer.add_tensor(f"blk.{layer}.{part}.weight", _random_k_blocks(kind, rows, cols, rng), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@needs_stories
+def test_a_q4_k_m_style_file_stays_quantized(tmp_path):
+    """Q4_K layers load as int4 with the file's numbers exactly; Q6_K ones as int8; the QKV
+    weight whose V rows are Q6_K is int4 (V requantized through float). Against the same file
+    fully dequantized: the same weights where exact, next-token distributions close."""
+    path = tmp_path / "k-quants.gguf"
+    write_k_quant_gguf(STORIES, path)
+    kept = LLM(str(path), dtype="float32")
+    dequantized = LLM(str(path), dtype="float32", quantization="none")
+    layer, ref_layer = kept.engine.runner.model.layers[0], dequantized.engine.runner.model.layers[0]
+    gate_up, down = layer.mlp.gate_up_weight, layer.mlp.down_weight
+    assert isinstance(gate_up, Int4Weight) and gate_up.group_size == 32 and isinstance(down, Int8Weight)
+    assert isinstance(layer.self_attn.qkv_weight, Int4Weight)
+    assert torch.allclose(gate_up.dequantize(), ref_layer.mlp.gate_up_weight, rtol=0, atol=1e-6)
+    q_rows = layer.self_attn.q_size  # Q (rope-permuted like the float path) exactly as in the file
+    assert torch.allclose(layer.self_attn.qkv_weight.dequantize()[:q_rows],
+                          ref_layer.self_attn.qkv_weight[:q_rows], rtol=0, atol=1e-6)
+    assert kept.engine.runner.model.weight_bytes() < 0.45 * dequantized.engine.runner.model.weight_bytes()
+    ids = kept.tokenizer.encode(STORIES_EXPECTED)
+    kl, top1 = compare(sequence_logprobs(dequantized, ids), sequence_logprobs(kept, ids))
+    print(f"k-quants kept vs dequantized: mean KL {kl:.6f}, top-1 {top1:.3f}")
+    assert kl <= 1e-3 and top1 >= 0.9
+
+
 @needs_stories
 def test_tensor_parallel_ranks_quantize_their_own_shards():
     """Two ranks, int8: each quantizes its shard as it streams in (the output and down

@@ -207,11 +207,12 @@ class QuantizedBuilder:
         self.rows_written += n
 
     def write_blocks(self, start: int, rows: "BlockQuantized") -> None:
-        """Rows of a GGUF tensor: Q4_0/Q4_1 into int4 groups of 32 exactly as they are; Q8_0
-        into int8 per channel (each row's block scales folded into one: a requantization,
-        error at most half a step); any other pairing through float."""
+        """Rows of a GGUF tensor: Q4_0/Q4_1/Q4_K into int4 groups of 32 exactly as they are;
+        Q8_0/Q6_K into int8 per channel (each row's block scales folded into one: a
+        requantization, error at most half a step); any other pairing (say the Q6_K V rows of
+        a QKV weight whose Q rows were Q4_K, as Q4_K_M files mix them) through float."""
         n = rows.shape[0]
-        if self.method == "int4" and rows.kind != "q8_0" and self.group_size == GGUF_BLOCK:
+        if self.method == "int4" and rows.method == "int4" and self.group_size == GGUF_BLOCK:
             self.q[start:start + n] = rows.codes
             self.scale[start:start + n] = rows.scale
             self.zero[start:start + n] = rows.zero
