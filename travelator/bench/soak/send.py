@@ -19,7 +19,7 @@ async def send(client: httpx.AsyncClient, spec: Spec, cfg: SoakConfig, result: S
     outcome, problem, status = await _send_inner(client, spec, cfg)
     elapsed = time.monotonic() - t0
     result.statuses[status] += 1
-    if outcome == Outcome.FAILED and result.killed_worker and f"{result.killed_worker} died" in (problem or ""):
+    if outcome == Outcome.FAILED and _failed_with(result.killed_worker, problem):
         result.killed += 1  # it was on the worker the soak killed: its error is the expected one
         result.killed_choices += spec.choices
         return Outcome.KILLED
@@ -38,6 +38,14 @@ async def send(client: httpx.AsyncClient, spec: Spec, cfg: SoakConfig, result: S
         body = json.dumps(spec.body)[:300]
         result.failures.append(f"request {spec.index} {spec.path} {body}: status {status}: {problem}")
     return outcome
+
+
+def _failed_with(killed_worker: str | None, problem: str | None) -> bool:
+    """The error names the decode worker the soak killed: the request was on it when it died,
+    or its KV was on the way there from a prefill worker and the transfer broke off."""
+    if not killed_worker or not problem:
+        return False
+    return f"{killed_worker} died" in problem or f"KV transfer to {killed_worker} failed" in problem
 
 
 async def _send_inner(client: httpx.AsyncClient, spec: Spec, cfg: SoakConfig):
