@@ -160,6 +160,19 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
 K_QUANTS = {"q4_k": ("Q4_K", 144, (0, 2)), "q6_k": ("Q6_K", 210, (208,))}  # bytes a block, where its fp16s lie
 
 
+def _random_k_blocks(kind: str, rows: int, cols: int, rng):
+    """Random Q4_K / Q6_K super-blocks (any bytes are a block), their fp16 scales small."""
+    import numpy as np
+
+    _, size, fp16_at = K_QUANTS[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    top = 2e-5 if kind == "q4_k" else 5e-6  # weights of about 0.02
+    for at in fp16_at:
+        raw[..., at:at + 2] = (rng.random((rows, cols // 256)) * top).astype(np.float16).view(np.uint8).reshape(
+            rows, cols // 256, 2)
+    return raw.reshape(rows, -1)
+
+
 @pytest.mark.parametrize("kind", list(K_QUANTS))
 def test_k_quant_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
     """Q4_K and Q6_K super-blocks of random bytes (every byte pattern is a block; the fp16
@@ -168,15 +181,9 @@ def test_k_quant_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
     import gguf
     import numpy as np
 
-    name, size, fp16_at = K_QUANTS[kind]
-    rng = np.random.default_rng(3)
     rows, cols = 70, 512
-    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    for at in fp16_at:
-        raw[..., at:at + 2] = (rng.random((rows, cols // 256)) * 0.01).astype(np.float16).view(np.uint8).reshape(
-            rows, cols // 256, 2)
-    raw = raw.reshape(rows, -1)
-    reference = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name))
+    raw = _random_k_blocks(kind, rows, cols, np.random.default_rng(3))
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, K_QUANTS[kind][0]))
                                  .reshape(rows, cols).astype(np.float32))
     blocks = parse_gguf_blocks(raw, kind, rows, cols)
     assert torch.allclose(blocks.dequantize(), reference, rtol=0, atol=1e-6 * reference.abs().max().item())
@@ -217,19 +224,6 @@ def test_a_quantized_gguf_file_stays_quantized(tmp_path, kind):
     # Not 0: Q8_0 is requantized per channel; Q4_0's layers are exact (above), but the kernel
     # takes x in 16-bit integers per group and sums in a different order.
     assert kl <= 1e-3 and top1 >= 0.98
-
-
-def _random_k_blocks(kind: str, rows: int, cols: int, rng):
-    """Random Q4_K / Q6_K super-blocks (any bytes are a block), their fp16 scales small."""
-    import numpy as np
-
-    _, size, fp16_at = K_QUANTS[kind]
-    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    top = 2e-5 if kind == "q4_k" else 5e-6  # weights of about 0.02
-    for at in fp16_at:
-        raw[..., at:at + 2] = (rng.random((rows, cols // 256)) * top).astype(np.float16).view(np.uint8).reshape(
-            rows, cols // 256, 2)
-    return raw.reshape(rows, -1)
 
 
 def write_k_quant_gguf(src, dst) -> None:

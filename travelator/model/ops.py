@@ -113,7 +113,7 @@ class NativeOps(TorchOps):
 
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, torch.Tensor):  # quantized: int8 / int4
-            return self._quantized_linear(x, weight, bias)
+            return self._quantized_layer(x, weight, bias)
         packed = self._packed.get(weight)
         if packed is None:
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
@@ -127,7 +127,7 @@ class NativeOps(TorchOps):
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
 
-    def _quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def _quantized_layer(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """Up to QUANT_KERNEL_ROWS rows, the engine's integer kernel, which streams the quantized
         bytes; its rows never depend on each other, so batch-invariant mode takes it for any
         count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN)."""
@@ -154,7 +154,7 @@ class NativeOps(TorchOps):
     def _dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         int8 = isinstance(weight, Int8Weight)
-        k = weight.packed.shape[1] * (4 if int8 else 8)  # int8: padded to INT8_K_BLOCK
+        k = weight.packed_in_features
         tiles = weight.packed.shape[0]
         width = min(tiles, DEQUANT_TILES) * TILE_ROWS
         if self._dequantized.dtype != x.dtype or self._dequantized.numel() < k * width:

@@ -56,14 +56,20 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales.numel() * self.scales.element_size()
 
+    @property
+    def packed_in_features(self) -> int:
+        """Inputs as packed: padded to INT8_K_BLOCK."""
+        return self.packed.shape[1] * 4
+
     def codes(self) -> torch.Tensor:
         """q, int8 [out, in]."""
         tiles, quads = self.packed.shape[:2]
-        u = self.packed.reshape(tiles, quads, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE_ROWS, quads * 4)
+        u = self.packed.reshape(tiles, quads, 4, 16, 4).permute(0, 2, 3, 1, 4).reshape(tiles * TILE_ROWS,
+                                                                                      self.packed_in_features)
         return (u[: self.out_features, : self.in_features].to(torch.int16) - 128).to(torch.int8)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.codes().to(dtype) * self.scales[: self.out_features, None].to(dtype))
+        return self.codes().to(dtype) * self.scales[: self.out_features, None].to(dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """Any number of rows, any dtype: through the dequantized weight."""
@@ -85,6 +91,10 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+    @property
+    def packed_in_features(self) -> int:
+        return self.in_features  # never padded: a multiple of the group
 
     def codes(self) -> torch.Tensor:
         """q, uint8 in [0, 15], [out, in]."""

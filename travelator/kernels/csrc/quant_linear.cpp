@@ -56,6 +56,11 @@ auto with_float_type(at::ScalarType dtype, Fn fn) {
   return fn(static_cast<c10::BFloat16*>(nullptr));
 }
 
+void check_packed(const at::Tensor& packed, const char* name) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == 4 && packed.size(3) == kTileRows, name, ": bad packed layout");
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (int8 weights)
 constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
@@ -130,6 +135,17 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The 4 vectors (256 bytes) of a tile 2 KB on from wk: the hardware prefetcher alone falls
+// behind on a tile's stream (1 or 4 KB ahead measured slower here).
+inline void prefetch_ahead(const uint8_t* wk) {
+  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64 * line, _MM_HINT_T0);
+}
+
+// A block's exact sum over its inputs of u xi = 256 (u . hi) + (u . lo), less `offset`.
+inline __m512i block_sum(__m512i u_hi, __m512i u_lo, __m512i offset) {
+  return _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(u_hi, 8), u_lo), offset);
+}
+
 // One tile of 64 output rows against MR rows of x (rows m0..m0+MR-1), int8 weights.
 template <int64_t MR>
 void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
@@ -145,10 +161,7 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
     const int64_t k0 = b * xi.block;
     for (int64_t k = k0; k < k0 + xi.block; k += 4) {
       const uint8_t* wk = w + k * kTileRows;  // 4 vectors of 64 bytes
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 128, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 192, _MM_HINT_T0);
+      prefetch_ahead(wk);
       __m512i bh[MR], bl[MR];
       for (int64_t m = 0; m < MR; ++m) {
         bh[m] = bcast4(&xi.hi[(m0 + m) * K + k]);
@@ -167,7 +180,7 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
       const __m512i offset = _mm512_set1_epi32(128 * xi.sum[mb]);
       const __m512 xs = _mm512_set1_ps(xi.scale[mb]);
       for (int r = 0; r < 4; ++r) {
-        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[m][r], 8), al[m][r]), offset);
+        const __m512i a = block_sum(ah[m][r], al[m][r], offset);
         tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), xs, tot[m][r]);
       }
     }
@@ -193,10 +206,7 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
     const int64_t k0 = g * xi.block;
     for (int64_t k = k0; k < k0 + xi.block; k += 8) {
       const uint8_t* wk = w + k / 2 * kTileRows;  // 4 vectors of 64 bytes: 8 inputs of 64 rows
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 128, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 192, _MM_HINT_T0);
+      prefetch_ahead(wk);
       __m512i bh0[MR], bl0[MR], bh1[MR], bl1[MR];
       for (int64_t m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * K + k;
@@ -223,7 +233,7 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
       const __m512 xs = _mm512_set1_ps(xi.scale[mg]);
       const __m512 zx = _mm512_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
       for (int r = 0; r < 4; ++r) {
-        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[m][r], 8), al[m][r]), offset);
+        const __m512i a = block_sum(ah[m][r], al[m][r], offset);
         const __m512 sxs = _mm512_mul_ps(_mm512_loadu_ps(s + r * 16), xs);
         tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sxs, tot[m][r]);
         tot[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(z + r * 16), zx, tot[m][r]);
@@ -234,9 +244,10 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
     for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + m * out_stride + r * 16, tot[m][r]);
 }
 
-// Every tile against every row of x, rows two at a time (the tile stays in cache between).
-template <typename scalar_t, typename TileFn1, typename TileFn2>
-at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn1 one, TileFn2 two) {
+// Every tile against every row of x, rows two at a time (the tile stays in cache between):
+// tile(rows, t, m, out, stride) with rows a std::integral_constant of 1 or 2.
+template <typename scalar_t, typename TileFn>
+at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn tile) {
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -246,8 +257,8 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn1 on
     float* out = out_rows.data();
     for (int64_t t = begin; t < end; ++t) {
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) two(t, m, out + m * kTileRows, kTileRows);
-      if (m < M) one(t, m, out + m * kTileRows, kTileRows);
+      for (; m + 2 <= M; m += 2) tile(std::integral_constant<int64_t, 2>{}, t, m, out + m * kTileRows, kTileRows);
+      if (m < M) tile(std::integral_constant<int64_t, 1>{}, t, m, out + m * kTileRows, kTileRows);
       const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
       for (int64_t mm = 0; mm < M; ++mm)
         for (int64_t n = n0; n < n1; ++n) yp[mm * N + n] = static_cast<scalar_t>(out[mm * kTileRows + n - n0]);
@@ -265,8 +276,7 @@ void check_x(const at::Tensor& x, const char* name) {
 // 128); scales float32 [N_padded]. Returns bf16 [M, N].
 at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N) {
   check_x(x, "quant_linear_int8");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(2) == 4 && packed.size(3) == kTileRows, "quant_linear_int8: bad packed layout");
+  check_packed(packed, "quant_linear_int8");
   const int64_t n_tiles = packed.size(0), K_padded = packed.size(1) * 4, K = x.size(1);
   TORCH_CHECK(K_padded % kInt8Block == 0 && K <= K_padded && K_padded - K < kInt8Block, "quant_linear_int8: K does not match");
   TORCH_CHECK(N <= n_tiles * kTileRows && N > (n_tiles - 1) * kTileRows, "quant_linear_int8: N does not match");
@@ -278,9 +288,9 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, cons
   return with_float_type(x.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K_padded, kInt8Block);
-    return run_tiles<scalar_t>(x, N, n_tiles,
-      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int8<1>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride); },
-      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int8<2>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride); });
+    return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, int64_t t, int64_t m, float* out, int64_t stride) {
+      tile_int8<rows()>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride);
+    });
   });
 }
 
@@ -289,8 +299,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, cons
 at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                              int64_t group, int64_t N) {
   check_x(x, "quant_linear_int4");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              packed.size(2) == 4 && packed.size(3) == kTileRows, "quant_linear_int4: bad packed layout");
+  check_packed(packed, "quant_linear_int4");
   const int64_t n_tiles = packed.size(0), K = x.size(1);
   TORCH_CHECK(packed.size(1) * 8 == K && group % 8 == 0 && K % group == 0, "quant_linear_int4: K does not match");
   TORCH_CHECK(N <= n_tiles * kTileRows && N > (n_tiles - 1) * kTileRows, "quant_linear_int4: N does not match");
@@ -303,9 +312,9 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   return with_float_type(x.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K, group);
-    return run_tiles<scalar_t>(x, N, n_tiles,
-      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int4<1>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride); },
-      [&](int64_t t, int64_t m, float* out, int64_t stride) { tile_int4<2>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride); });
+    return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, int64_t t, int64_t m, float* out, int64_t stride) {
+      tile_int4<rows()>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride);
+    });
   });
 }
 
@@ -324,68 +333,64 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-void check_out(const at::Tensor& out, int64_t K, int64_t Np, const char* name) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == K && out.size(1) == Np && out.is_contiguous() &&
-              (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+// For every tile t, step of inputs and vector r of 16 rows (in parallel over tiles), in W^T's
+// whole cache lines (a tile's 64 columns) step by step: emit(t, step, r, put), where put(i, v)
+// stores v as the 16 columns of W^T's row step * inputs_per_step + i.
+template <typename EmitFn>
+void dequantize_tiles(at::Tensor& out, int64_t n_tiles, int64_t steps, int64_t inputs_per_step, const char* name,
+                      EmitFn emit) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == steps * inputs_per_step && out.size(1) == n_tiles * kTileRows &&
+              out.is_contiguous() && (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
               name, ": out must be a contiguous bf16 or float32 [K, N padded to 64]");
-}
-
-// out: [K, N padded] (a buffer the caller keeps: a fresh one costs its page faults, as much
-// as the work itself here).
-void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_dequantize_int8: bad layout");
-  const int64_t n_tiles = packed.size(0), quads = packed.size(1), Np = n_tiles * kTileRows, K = quads * 4;
-  check_out(out, K, Np, "quant_dequantize_int8");
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
+  const int64_t Np = n_tiles * kTileRows;
   with_float_type(out.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t kq = 0; kq < quads; ++kq)  // a tile's 64 columns of W^T: whole cache lines
+        for (int64_t step = 0; step < steps; ++step)
           for (int r = 0; r < 4; ++r) {
-            const __m512 scale = _mm512_loadu_ps(s + t * kTileRows + r * 16);
-            const int64_t n0 = t * kTileRows + r * 16;
-            const __m512i d = _mm512_loadu_si512(w + ((t * quads + kq) * 4 + r) * kTileRows);
-            for (int j = 0; j < 4; ++j) {
-              const __m512i u = _mm512_and_si512(_mm512_srli_epi32(d, 8 * j), _mm512_set1_epi32(0xFF));
-              const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128)));
-              store16(o + (kq * 4 + j) * Np + n0, _mm512_mul_ps(v, scale));
-            }
+            scalar_t* cols = o + step * inputs_per_step * Np + t * kTileRows + r * 16;
+            emit(t, step, r, [&](int64_t i, __m512 v) { store16(cols + i * Np, v); });
           }
     });
   });
 }
 
+// out: [K, N padded] (a buffer the caller keeps: a fresh one costs its page faults, as much
+// as the work itself here).
+void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+  check_packed(packed, "quant_dequantize_int8");
+  const int64_t n_tiles = packed.size(0), quads = packed.size(1);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  dequantize_tiles(out, n_tiles, quads, 4, "quant_dequantize_int8", [&](int64_t t, int64_t kq, int r, auto put) {
+    const __m512 scale = _mm512_loadu_ps(s + t * kTileRows + r * 16);
+    const __m512i d = _mm512_loadu_si512(w + ((t * quads + kq) * 4 + r) * kTileRows);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i u = _mm512_and_si512(_mm512_srli_epi32(d, 8 * j), _mm512_set1_epi32(0xFF));
+      put(j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(128))), scale));
+    }
+  });
+}
+
 void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group, at::Tensor out) {
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_dequantize_int4: bad layout");
-  const int64_t n_tiles = packed.size(0), octets = packed.size(1), Np = n_tiles * kTileRows, K = octets * 8;
-  const int64_t groups = K / group;
+  check_packed(packed, "quant_dequantize_int4");
+  const int64_t n_tiles = packed.size(0), octets = packed.size(1), K = octets * 8, groups = K / group;
   TORCH_CHECK(K % group == 0 && scales_zeros.numel() == n_tiles * groups * 2 * kTileRows, "quant_dequantize_int4: bad shape");
-  check_out(out, K, Np, "quant_dequantize_int4");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sz = scales_zeros.data_ptr<float>();
-  with_float_type(out.scalar_type(), [&](auto* tag) {
-    using scalar_t = std::remove_pointer_t<decltype(tag)>;
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t ko = 0; ko < octets; ++ko)  // a tile's 64 columns of W^T: whole cache lines
-          for (int r = 0; r < 4; ++r) {
-            const int64_t n0 = t * kTileRows + r * 16;
-            const float* g = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * 16;
-            const __m512 scale = _mm512_loadu_ps(g), zero = _mm512_loadu_ps(g + kTileRows);
-            // (q - 8) * scale + zero = q * scale + (zero - 8 * scale)
-            const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
-            const __m512i d = _mm512_loadu_si512(w + ((t * octets + ko) * 4 + r) * kTileRows);
-            for (int j = 0; j < 8; ++j) {
-              const int shift = 8 * (j % 4) + 4 * (j / 4);
-              const __m512i q = _mm512_and_si512(_mm512_srli_epi32(d, shift), _mm512_set1_epi32(0x0F));
-              store16(o + (ko * 8 + j) * Np + n0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, base));
-            }
-          }
-    });
+  dequantize_tiles(out, n_tiles, octets, 8, "quant_dequantize_int4", [&](int64_t t, int64_t ko, int r, auto put) {
+    const float* g = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * 16;
+    const __m512 scale = _mm512_loadu_ps(g), zero = _mm512_loadu_ps(g + kTileRows);
+    // (q - 8) * scale + zero = q * scale + (zero - 8 * scale)
+    const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+    const __m512i d = _mm512_loadu_si512(w + ((t * octets + ko) * 4 + r) * kTileRows);
+    for (int j = 0; j < 8; ++j) {
+      const int shift = 8 * (j % 4) + 4 * (j / 4);
+      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(d, shift), _mm512_set1_epi32(0x0F));
+      put(j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, base));
+    }
   });
 }
 
