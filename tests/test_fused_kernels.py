@@ -32,22 +32,50 @@ def test_rms_norm_and_residual(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul(dtype):
-    gate_up = (torch.randn(33, 2 * 1408, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), silu_and_mul(gate_up), **TOL[dtype])
+@pytest.mark.parametrize("inter", [1408, 100])  # 100: a partial vector at the end of a row
+def test_silu_and_mul(dtype, inter):
+    gate_up = (torch.randn(33, 2 * inter, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    gate_up[3, 7] = float("nan")
+    want = silu_and_mul(gate_up)
+    got = ops.silu_and_mul(gate_up)
+    assert got[3, 7].isnan() and got.isnan().sum() == 1
+    torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope(dtype):
-    rope = RotaryEmbedding(64, 512, 10000.0, None)
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: half a head is not a whole vector
+def test_rope(dtype, head_dim):
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(20, 8, 64, generator=g).to(dtype)
-    k = torch.randn(20, 4, 64, generator=g).to(dtype)
+    q = torch.randn(20, 8, head_dim, generator=g).to(dtype)
+    k = torch.randn(20, 4, head_dim, generator=g).to(dtype)
     positions = torch.randint(0, 512, (20,), generator=g)
     want_q, want_k = rope(positions, q, k)
     ops.rope_(q, k, positions, rope.cos, rope.sin)
     torch.testing.assert_close(q, want_q, **TOL[dtype])
     torch.testing.assert_close(k, want_k, **TOL[dtype])
+
+
+def test_write_kv_is_index_copy():
+    """The native KV write puts each token's heads where index_copy_ puts them, reading k
+    and v as row-strided views of one fused QKV tensor (as the model hands them over)."""
+    g = torch.Generator().manual_seed(4)
+    tokens, kvh, d, blocks, bs = 37, 4, 64, 20, 16
+    qkv = torch.randn(tokens, (8 + 2 * kvh) * d, generator=g).bfloat16()
+    k = qkv[:, 8 * d:(8 + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (8 + kvh) * d:].view(tokens, kvh, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    k_cache, v_cache = torch.randn(2, blocks, bs, kvh, d, generator=g).bfloat16().unbind(0)
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, kvh, d).index_copy_(0, slots, k)
+    want_v.view(-1, kvh, d).index_copy_(0, slots, v)
+    ops.write_kv_(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.write_kv_(k_cache, v_cache, torch.tensor([0, blocks * bs]), k[:2], v[:2])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.write_kv_(k_cache.float(), v_cache.float(), slots, k, v)
 
 
 def test_rows_do_not_depend_on_the_batch():

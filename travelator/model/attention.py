@@ -95,9 +95,12 @@ class PagedAttention:
     ) -> torch.Tensor:
         # Write before reading (docs/design.md invariant 4): a chunk's own keys come from the
         # cache too.
-        kvh, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if meta.backend == "native" and k_cache.dtype == k.dtype:
+            torch.ops.travelator.write_kv_(k_cache, v_cache, meta.slot_mapping, k, v)
+        else:
+            kvh, d = self.num_kv_heads, self.head_dim
+            k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
                 q, k_cache, v_cache, meta.query_start, meta.seq_lens,

@@ -95,7 +95,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)).
+
+    The last add is left to the next norm: a layer takes the residual stream as ``x`` plus
+    the previous block's ``delta`` (None before the first layer) and returns the same pair,
+    so every add rides on a fused add + RMSNorm pass.
+    """
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
                  tp: TPGroup | None = None) -> None:
@@ -106,10 +111,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype, ops, tp)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
-        h = self.self_attn(self.ops.rms_norm(x, self.input_norm), positions, rope, k_cache, v_cache, meta)
-        x, normed = self.ops.add_rms_norm(x, h, self.post_attn_norm)  # x + h, and its norm
-        return x + self.mlp(normed)
+    def forward(self, x, delta, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
+        if delta is None:
+            normed = self.ops.rms_norm(x, self.input_norm)
+        else:
+            x, normed = self.ops.add_rms_norm(x, delta, self.input_norm)  # x + delta, and its norm
+        h = self.self_attn(normed, positions, rope, k_cache, v_cache, meta)
+        x, normed = self.ops.add_rms_norm(x, h, self.post_attn_norm)
+        return x, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -210,10 +219,10 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self._embed(input_ids)
+        x, delta = self._embed(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
-        return self.ops.rms_norm(x, self.norm)
+            x, delta = layer(x, delta, positions, self.rope, k_cache, v_cache, meta)
+        return self.ops.add_rms_norm(x, delta, self.norm)[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

@@ -14,12 +14,14 @@
 #include <torch/library.h>
 
 #include "float_math.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -55,13 +57,63 @@ float sum_squares(const T* x, int64_t n) {
   return part[0];
 }
 
+#if defined(TRAVELATOR_VEC16)
+namespace v16 = travelator::vec16;
+
+// float32 and bf16 take the explicit AVX-512 forms below (the compiler does not vectorise
+// the scalar loops' bf16 conversions); other types the scalar loops.
+template <typename T>
+constexpr bool kVectorised = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// sum_squares with the kLanes partial sums in one register, combined by the same tree.
+template <typename T>
+float sum_squares_vec(const T* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m512 v = v16::load(x + i, v16::lanes(n - i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float part[kLanes];
+  _mm512_storeu_ps(part, acc);
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+#endif
+
 template <typename T>
 void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+#if defined(TRAVELATOR_VEC16)
+  if constexpr (kVectorised<T>) {
+    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(sum_squares_vec(x, n) / static_cast<float>(n) + eps));
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = v16::lanes(n - i);
+      const __m512 normed = v16::round_as(T{}, _mm512_mul_ps(v16::load(x + i, m), r));
+      v16::store(out + i, _mm512_mul_ps(v16::load(weight + i, m), normed), m);
+    }
+    return;
+  }
+#endif
   const float r = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) {
     const float normed = static_cast<float>(round_to<T>(static_cast<float>(x[i]) * r));
     out[i] = round_to<T>(static_cast<float>(weight[i]) * normed);
   }
+}
+
+// row += d, rounded to T as torch's add rounds.
+template <typename T>
+void add_row(T* row, const T* d, int64_t n) {
+#if defined(TRAVELATOR_VEC16)
+  if constexpr (kVectorised<T>) {
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __mmask16 m = v16::lanes(n - i);
+      v16::store(row + i, _mm512_add_ps(v16::load(row + i, m), v16::load(d + i, m)), m);
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) row[i] = round_to<T>(static_cast<float>(row[i]) + static_cast<float>(d[i]));
 }
 
 template <typename T>
@@ -75,10 +127,7 @@ void rms_norm_impl(at::Tensor& x, const at::Tensor* delta, const at::Tensor& wei
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = xp + r * n;
-      if (dp) {  // residual stream += delta, rounded as torch's add would
-        const T* d = dp + r * n;
-        for (int64_t i = 0; i < n; ++i) row[i] = round_to<T>(static_cast<float>(row[i]) + static_cast<float>(d[i]));
-      }
+      if (dp) add_row(row, dp + r * n, n);  // the residual stream += delta
       norm_row(row, wp, op + r * n, n, static_cast<float>(eps));
     }
   });
@@ -133,6 +182,19 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       const T* g = in + r * 2 * inter;
       const T* u = g + inter;
       T* o = op + r * inter;
+#if defined(TRAVELATOR_VEC16)
+      if constexpr (kVectorised<T>) {
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (int64_t i = 0; i < inter; i += kLanes) {
+          const __mmask16 m = v16::lanes(inter - i);
+          const __m512 x = v16::load(g + i, m);
+          const __m512 e = v16::exp(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 silu = v16::round_as(T{}, _mm512_mul_ps(x, v16::reciprocal(_mm512_add_ps(one, e))));
+          v16::store(o + i, _mm512_mul_ps(silu, v16::load(u + i, m)), m);
+        }
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
         const float silu = static_cast<float>(round_to<T>(x / (1.0f + travelator::exp_approx(-x))));
@@ -161,6 +223,18 @@ void rope_rows(T* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t ha
       for (int64_t h = 0; h < heads; ++h) {
         T* a = x + t * row_stride + h * 2 * half;
         T* b = a + half;
+#if defined(TRAVELATOR_VEC16)
+        if constexpr (kVectorised<T>) {
+          for (int64_t i = 0; i < half; i += kLanes) {
+            const __mmask16 m = v16::lanes(half - i);
+            const __m512 x1 = v16::load(a + i, m), x2 = v16::load(b + i, m);
+            const __m512 cv = _mm512_maskz_loadu_ps(m, c + i), sv = _mm512_maskz_loadu_ps(m, s + i);
+            v16::store(a + i, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)), m);
+            v16::store(b + i, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)), m);
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = static_cast<float>(a[i]), x2 = static_cast<float>(b[i]);
           a[i] = round_to<T>(x1 * c[i] - x2 * s[i]);
@@ -194,6 +268,36 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
     const int64_t half = q.size(2) / 2;
     rope_rows(q.data_ptr<T>(), q.size(0), q.stride(0), q.size(1), half, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
     rope_rows(k.data_ptr<T>(), k.size(0), k.stride(0), k.size(1), half, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+// The new tokens' keys and values into their cache slots: k, v [T, KVH, D] (row-strided
+// views of the fused QKV tensor are fine), caches [blocks, block_size, KVH, D] of the same
+// dtype, slots [T] long. One copy per token and cache where index_copy_ takes two passes
+// and a per-element index check (about 45 us for 64 tokens here, against 2).
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+               const at::Tensor& v) {
+  TORCH_CHECK(heads_contiguous(k) && heads_contiguous(v) && k.sizes() == v.sizes(), "write_kv_: k, v must be [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "write_kv_: caches must be [blocks, block_size, KVH, D] like k");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type() &&
+              v.scalar_type() == k.scalar_type(), "write_kv_: caches and k, v must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "write_kv_: bad slots");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_: slot ", slot[t], " out of range");
+  const int64_t row_bytes = k.size(1) * k.size(2) * static_cast<int64_t>(k.element_size());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  at::parallel_for(0, slots.numel(), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * row_bytes, ks + t * k_stride, row_bytes);
+      std::memcpy(vc + slot[t] * row_bytes, vs + t * v_stride, row_bytes);
+    }
   });
 }
 
@@ -358,6 +462,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor masks, Tensor rows) -> ()");
   m.def("exponential_race(Tensor scores, Tensor seeds) -> Tensor");
@@ -365,6 +470,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
+  m.impl("write_kv_", c10::DispatchKey::CPU, &write_kv_);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.impl("apply_token_bitmask_", c10::DispatchKey::CPU, &apply_token_bitmask_);
   m.impl("exponential_race", c10::DispatchKey::CPU, &exponential_race);
