@@ -4,6 +4,7 @@ is the single engine's, token for token, and neither pool leaks a block."""
 from __future__ import annotations
 
 import pytest
+import torch
 from paths import STORIES, STORIES_EXPECTED, needs_stories
 
 from travelator import LLM, SamplingParams
@@ -57,6 +58,18 @@ def test_two_engines_give_the_single_engines_text():
         assert engine.kv.num_used_blocks == 0
         engine.kv.check_consistency()
         assert engine.runner.held_request_ids() <= set(engine.scheduler.pending_freed_ids)
+
+
+def test_an_int8_cache_hands_off_its_rows_as_they_are():
+    """Codes and scales travel together: the pair of int8-cache engines writes the single
+    int8-cache engine's text."""
+    int8 = dict(ENGINE, kv_cache_dtype="int8")
+    params = greedy(24)
+    ref = LLM(str(STORIES), **int8).generate(PROMPTS, params, use_tqdm=False)
+    prefill, decode = LLM(str(STORIES), **int8).engine, LLM(str(STORIES), **int8).engine
+    _, tokens, _, _ = prefill_then_decode(prefill, decode, PROMPTS, params)
+    assert tokens == [r.outputs[0].token_ids for r in ref]
+    assert decode.runner.kv_caches[0][0].dtype == torch.int8
 
 
 def test_the_prefill_engine_keeps_the_prompt_as_prefix_cache():

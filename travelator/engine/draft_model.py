@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from travelator.model import kv_cache
 from travelator.model.attention import build_metadata
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource
@@ -57,12 +58,12 @@ class DraftModel:
         self._computed: dict[str, int] = {}  # request id -> tokens whose KV the draft holds
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        return block_size * self.arch.kv_bytes_per_token(itemsize)
+        a = self.arch
+        return block_size * kv_cache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        shape = kv_cache.cache_shape(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(a.num_layers)]

@@ -24,7 +24,7 @@ from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
-from travelator.model.device import pick_device, resolve_dtype
+from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams
 
@@ -76,8 +76,7 @@ class LLMEngine:
         self.tokenizer = source.tokenizer
         self.device = pick_device(mc.device)
         dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device)
-        kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else resolve_dtype(
-            config.cache.kv_cache_dtype, None, self.device)
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
         # Structured outputs: grammars compiled for this tokenizer, shared by the server's

@@ -26,6 +26,7 @@ from travelator.engine.scheduler_output import (
     SampledToken,
     SchedulerOutput,
 )
+from travelator.model import kv_cache
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata
 from travelator.model.llama import LlamaModel
@@ -103,13 +104,15 @@ class ModelRunner:
         self.phase_times: dict[str, float] = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
+        a = self.arch
         draft = self.draft.kv_bytes_per_block(block_size) if self.draft is not None else 0
-        return block_size * self.arch.kv_bytes_per_token(itemsize) // self.tp_size + draft
+        return block_size * kv_cache.bytes_per_token(a.num_layers, a.num_kv_heads // self.tp_size, a.head_dim,
+                                                     self.kv_dtype) + draft
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = (num_blocks, block_size, a.num_kv_heads // self.tp_size, a.head_dim)
+        shape = kv_cache.cache_shape(num_blocks, block_size, a.num_kv_heads // self.tp_size, a.head_dim,
+                                     self.kv_dtype)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))

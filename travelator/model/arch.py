@@ -47,9 +47,6 @@ class ModelArch:
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + lm_head
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
         archs = cfg.get("architectures") or []

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from travelator.model import kv_cache
+
 AttentionBackend = Literal["native", "torch"]
 
 
@@ -95,12 +97,12 @@ class PagedAttention:
     ) -> torch.Tensor:
         # Write before reading (docs/design.md invariant 4): a chunk's own keys come from the
         # cache too.
-        if meta.backend == "native" and k_cache.dtype == k.dtype:
+        if meta.backend == "native" and k_cache.dtype in (k.dtype, torch.int8):
             torch.ops.travelator.write_kv_(k_cache, v_cache, meta.slot_mapping, k, v)
         else:
-            kvh, d = self.num_kv_heads, self.head_dim
-            k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-            v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+            row = k_cache.shape[-1]
+            k_cache.view(-1, self.num_kv_heads, row).index_copy_(0, meta.slot_mapping, _as_stored(k, k_cache.dtype))
+            v_cache.view(-1, self.num_kv_heads, row).index_copy_(0, meta.slot_mapping, _as_stored(v, v_cache.dtype))
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
                 q, k_cache, v_cache, meta.query_start, meta.seq_lens,
@@ -123,19 +125,20 @@ class PagedAttention:
             s += n
         return out
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Blocks of one or more requests as a [..., KVH, L, D] key range."""
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks of one or more requests as a [..., KVH, L, D] key range of ``dtype``."""
         # index_select on the flat block list is ~2x faster than advanced indexing on CPU.
-        _, bs, kvh, d = cache.shape
-        g = cache.index_select(0, block_table.reshape(-1))  # [N * nb, bs, KVH, D]
-        g = g.view(*block_table.shape[:-1], block_table.shape[-1] * bs, kvh, d)
+        _, bs, kvh, row = cache.shape
+        g = cache.index_select(0, block_table.reshape(-1))  # [N * nb, bs, KVH, row]
+        g = g.view(*block_table.shape[:-1], block_table.shape[-1] * bs, kvh, row)
+        g = kv_cache.dequantize_rows(g, dtype) if cache.dtype == torch.int8 else g.to(dtype)
         return g.transpose(-3, -2)  # [..., KVH, L, D]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         block_size = k_cache.shape[1]
         tables = meta.block_tables[: meta.num_decodes, : meta.decode_mask.shape[-1] // block_size]
-        keys = self._gather(k_cache, tables).to(q.dtype)  # [B, KVH, L, D]
-        values = self._gather(v_cache, tables).to(q.dtype)
+        keys = self._gather(k_cache, tables, q.dtype)  # [B, KVH, L, D]
+        values = self._gather(v_cache, tables, q.dtype)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
             scale=self.scale, enable_gqa=True,
@@ -150,15 +153,15 @@ class PagedAttention:
             # Round them as the cache stores them, so a chunk sees the same keys whether
             # it reads them fresh or from the cache (a KV dtype below the model's).
             if k_cache.dtype != k.dtype:
-                k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
+                k, v = _as_read(k, k_cache.dtype, q.dtype), _as_read(v, v_cache.dtype, q.dtype)
             o = F.scaled_dot_product_attention(
                 qh, k.transpose(0, 1), v.transpose(0, 1),
                 is_causal=True, scale=self.scale, enable_gqa=True,
             )
             return o.transpose(0, 1)
         total = context_len + q.shape[0]
-        keys = self._gather(k_cache, block_table)[:, :total].to(q.dtype)
-        values = self._gather(v_cache, block_table)[:, :total].to(q.dtype)
+        keys = self._gather(k_cache, block_table, q.dtype)[:, :total]
+        values = self._gather(v_cache, block_table, q.dtype)[:, :total]
         q_pos = torch.arange(context_len, total, device=q.device).unsqueeze(1)
         k_pos = torch.arange(total, device=q.device).unsqueeze(0)
         mask = k_pos <= q_pos  # bottom-right aligned causal mask
@@ -166,3 +169,15 @@ class PagedAttention:
             qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
         return o.transpose(0, 1)
+
+
+def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rows [T, KVH, D] as the cache stores them."""
+    return kv_cache.quantize_rows(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+
+
+def _as_read(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as they read back from a cache of ``cache_dtype``, in ``dtype``."""
+    if cache_dtype == torch.int8:
+        return kv_cache.dequantize_rows(kv_cache.quantize_rows(x), dtype)
+    return x.to(cache_dtype).to(dtype)

@@ -48,3 +48,13 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.de
     if device.type == "cuda" or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def resolve_kv_dtype(requested: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: "auto" is the model's; "int8" stores 8-bit codes with a scale
+    per token and head (model/kv_cache.py)."""
+    if requested == "auto":
+        return model_dtype
+    if requested == "int8":
+        return torch.int8
+    return resolve_dtype(requested, None, device)

@@ -271,23 +271,63 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   });
 }
 
+// One head's vector as an int8 cache row: codes = round(x * 127 / max|x|), then the float32
+// scale max|x| / 127; a row with a NaN or an infinity gets codes 0 and a NaN scale. The
+// same float steps as model/kv_cache.py's quantize_rows, so both give the same bytes.
+template <typename T>
+void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < d; ++i) {
+    const float v = static_cast<float>(x[i]);
+    finite = finite && std::isfinite(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t i = 0; i < d; ++i)
+    out[i] = finite ? static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) * inv)) : 0;
+  std::memcpy(out + d, &scale, sizeof(scale));
+}
+
 // The new tokens' keys and values into their cache slots: k, v [T, KVH, D] (row-strided
-// views of the fused QKV tensor are fine), caches [blocks, block_size, KVH, D] of the same
-// dtype, slots [T] long. One copy per token and cache where index_copy_ takes two passes
-// and a per-element index check (about 45 us for 64 tokens here, against 2).
+// views of the fused QKV tensor are fine), caches [blocks, block_size, KVH, row], slots [T]
+// long. A cache of k's dtype takes one copy per token (index_copy_ took two passes and a
+// per-element index check: about 40 us for 64 tokens here, against 5); an int8 cache
+// (row = D + 4) takes each head quantized.
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
                const at::Tensor& v) {
   TORCH_CHECK(heads_contiguous(k) && heads_contiguous(v) && k.sizes() == v.sizes(), "write_kv_: k, v must be [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "write_kv_: k and v dtypes differ");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const int64_t heads = k.size(1), d = k.size(2), row = int8 ? d + 4 : d;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-              k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "write_kv_: caches must be [blocks, block_size, KVH, D] like k");
-  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type() &&
-              v.scalar_type() == k.scalar_type(), "write_kv_: caches and k, v must share a dtype");
+              k_cache.size(2) == heads && k_cache.size(3) == row, "write_kv_: caches must be [blocks, block_size, KVH, row] for k");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (int8 || k_cache.scalar_type() == k.scalar_type()),
+              "write_kv_: caches and k, v must share a dtype (or the caches be int8)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "write_kv_: bad slots");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_: slot ", slot[t], " out of range");
-  const int64_t row_bytes = k.size(1) * k.size(2) * static_cast<int64_t>(k.element_size());
+  if (int8) {
+    int8_t* kc = k_cache.data_ptr<int8_t>();
+    int8_t* vc = v_cache.data_ptr<int8_t>();
+    dispatch_float_types(k, "write_kv_", [&](auto tag) {
+      using T = decltype(tag);
+      const T* ks = k.data_ptr<T>();
+      const T* vs = v.data_ptr<T>();
+      at::parallel_for(0, slots.numel(), 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          for (int64_t h = 0; h < heads; ++h) {
+            quantize_kv_row(ks + t * k.stride(0) + h * d, d, kc + (slot[t] * heads + h) * row);
+            quantize_kv_row(vs + t * v.stride(0) + h * d, d, vc + (slot[t] * heads + h) * row);
+          }
+      });
+    });
+    return;
+  }
+  const int64_t row_bytes = heads * d * static_cast<int64_t>(k.element_size());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());

@@ -48,6 +48,9 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -90,6 +93,26 @@ inline __m512 transpose_sum16(const __m512* v) {
 }
 #endif
 
+// A cache row is one head's vector of one token: head_dim values, or for an int8 cache
+// head_dim codes and then their float32 scale (model/kv_cache.py).
+template <typename cache_t>
+constexpr int64_t row_width(int64_t head_dim) {
+  return std::is_same_v<cache_t, int8_t> ? head_dim + 4 : head_dim;
+}
+
+// The factor a row's stored values are multiplied by: its scale for int8, else 1.
+template <typename cache_t>
+inline float row_scale(const cache_t* row, int64_t head_dim) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return scale;
+  } else {
+    (void)row, (void)head_dim;
+    return 1.0f;
+  }
+}
+
 struct WorkItem {
   int64_t request;
   int64_t first_query;  // within the request's chunk
@@ -103,7 +126,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  float scale) {
-  const int64_t D = head_dim, bs = block_size;
+  const int64_t D = head_dim, bs = block_size, row = row_width<cache_t>(D);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
   const int64_t first_pos = seq_lens[w.request] - q_len;  // position of the chunk's query 0
@@ -126,12 +149,13 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t key0 = b * bs;
     const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
-    const int64_t base = (table[b] * bs * num_kv_heads + kv_head) * D;
+    const int64_t base = (table[b] * bs * num_kv_heads + kv_head) * row;
     for (int64_t j = 0; j < valid_in_block; ++j) {
-      const cache_t* kj = k_cache + base + j * num_kv_heads * D;
-      const cache_t* vj = v_cache + base + j * num_kv_heads * D;
-      for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = static_cast<float>(kj[d]);
-      for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]);
+      const cache_t* kj = k_cache + base + j * num_kv_heads * row;
+      const cache_t* vj = v_cache + base + j * num_kv_heads * row;
+      const float ks = row_scale(kj, D), vs = row_scale(vj, D);
+      for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = static_cast<float>(kj[d]) * ks;
+      for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]) * vs;
     }
     for (int64_t i = 0; i < w.num_queries; ++i) {
       const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
@@ -235,14 +259,16 @@ inline __m512 dots16(const scalar_t* qr, const float* kf) {
 // acc[r] += sum_j p[r][j] v_j for R rows and keys j of one group, in order.
 template <typename cache_t, int64_t kChunks, int64_t R>
 inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows) {
+  constexpr int64_t D = 16 * kChunks;
   __m512 a[R][kChunks];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * 16 * kChunks + 16 * c);
   for (int64_t j = 0; j < n_keys; ++j) {
     __m512 v[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) v[c] = load16(vrows[j] + 16 * c);
+    const float vs = row_scale(vrows[j], D);
     for (int64_t r = 0; r < R; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[r * kKeyChunk + j]);
+      const __m512 pr = _mm512_set1_ps(std::is_same_v<cache_t, int8_t> ? p[r * kKeyChunk + j] * vs : p[r * kKeyChunk + j]);
       for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
     }
   }
@@ -294,11 +320,12 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   const int64_t rows = w.num_queries * group;  // per KV head; row = query * group + r
   const int64_t all_rows = num_kv_heads * rows;  // row h * rows + r: head h's row r
   const int64_t token0 = query_start[w.request] + w.first_query;
-  const int64_t key_stride = num_kv_heads * D;  // a key's rows, all heads, in a block
+  constexpr int64_t kRow = row_width<cache_t>(D);
+  const int64_t key_stride = num_kv_heads * kRow;  // a key's rows, all heads, in a block
   // The item's heads of a key: its part of the key's row in a block.
-  const int64_t key_bytes = (w.end_head - w.first_head) * D * static_cast<int64_t>(sizeof(cache_t));
-  const cache_t* k_heads = k_cache + w.first_head * D;
-  const cache_t* v_heads = v_cache + w.first_head * D;
+  const int64_t key_bytes = (w.end_head - w.first_head) * kRow * static_cast<int64_t>(sizeof(cache_t));
+  const cache_t* k_heads = k_cache + w.first_head * kRow;
+  const cache_t* v_heads = v_cache + w.first_head * kRow;
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<float> m(all_rows, -std::numeric_limits<float>::infinity()), l(all_rows, 0.0f);
@@ -326,10 +353,15 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       prefetch_keys(v_heads, &key_offset[g0], key_bytes, 1);  // for step (3)
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
         const cache_t* krows[16];
-        for (int64_t j = 0; j < 16; ++j) krows[j] = k_cache + key_offset[g0 + j] + h * D;
+        for (int64_t j = 0; j < 16; ++j) krows[j] = k_cache + key_offset[g0 + j] + h * kRow;
         if constexpr (!kPairDots) {
-          for (int64_t j = 0; j < 16; ++j)
-            for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(&kf[j * D + 16 * c], load16(krows[j] + 16 * c));
+          for (int64_t j = 0; j < 16; ++j) {
+            const __m512 ks = _mm512_set1_ps(row_scale(krows[j], D));
+            for (int64_t c = 0; c < kChunks; ++c) {
+              const __m512 kv = load16(krows[j] + 16 * c);
+              _mm512_storeu_ps(&kf[j * D + 16 * c], std::is_same_v<cache_t, int8_t> ? _mm512_mul_ps(kv, ks) : kv);
+            }
+          }
         }
         for (int64_t row = 0; row < rows; ++row) {
           if (!sees(row, chunk0 + g0)) continue;
@@ -378,7 +410,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       prefetch_keys(v_heads, &key_offset[g0 + 16], key_bytes, 0);
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
         const cache_t* vrows[16];
-        for (int64_t j = 0; j < 16; ++j) vrows[j] = v_cache + key_offset[g0 + j] + h * D;
+        for (int64_t j = 0; j < 16; ++j) vrows[j] = v_cache + key_offset[g0 + j] + h * kRow;
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBatch) {
           const int64_t nr = std::min(kRowBatch, rows - r0);
           // Keys of this group seen by the batch's last (latest) row.
@@ -653,11 +685,13 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
     case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
     case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
     case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
+    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
     default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
 
-// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D]; query_start [B + 1],
+// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D]
+// (D + 4 for int8 caches: codes, then the row's float32 scale); query_start [B + 1],
 // seq_lens [B] (keys after this step's tokens are written), block_tables [B, width]:
 // all int64. Request r's queries are rows query_start[r] .. query_start[r + 1] of q, at
 // positions seq_lens[r] - q_len .. seq_lens[r] - 1; query i sees keys 0 .. its position.
@@ -670,7 +704,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "paged_attention: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q must have contiguous heads, the caches must be contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+  const int64_t row = k_cache.scalar_type() == at::kChar ? q.size(2) + 4 : q.size(2);  // int8: codes, then a scale
+  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(2) == 0,
               "paged_attention: head shapes do not match");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K/V dtypes differ");
   for (const at::Tensor* t : {&query_start, &seq_lens, &block_tables})
