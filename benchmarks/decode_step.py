@@ -7,6 +7,7 @@ Medians of repeated steps; whole engine steps (schedule, prepare, forward, sampl
 update), so engine overhead is included in both.
 
     python benchmarks/decode_step.py --model dummy:llama-250m --dtype bfloat16
+    python benchmarks/decode_step.py --model dummy:llama-50m --kv-cache-dtype int8
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's) or int8, ...")
     args = ap.parse_args()
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.batch, kernels=args.kernels,
-              batch_invariant=args.batch_invariant,
+              batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
               max_num_batched_tokens=max(1024, args.batch), enable_prefix_caching=False)
     engine = llm.engine
     rng = random.Random(0)
@@ -64,7 +66,8 @@ def main() -> None:
     engine.abort_request(ids)
 
     a, b = statistics.median(bare), statistics.median(decode)
-    print(f"{args.model} {args.dtype} kernels={args.kernels} batch_invariant={args.batch_invariant}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "
+    print(f"{args.model} {args.dtype} kernels={args.kernels} batch_invariant={args.batch_invariant} "
+          f"kv_cache_dtype={args.kv_cache_dtype}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "
           f"decode step of {args.batch} requests x ~{args.context} context {b * 1e3:.1f} ms; "
           f"ratio {b / a:.2f} (target <= 1.5)")
 

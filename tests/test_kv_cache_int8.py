@@ -48,13 +48,15 @@ def test_pool_holds_more_tokens_in_the_same_bytes():
 
 @native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_native_write_stores_the_torch_bytes(dtype):
+@pytest.mark.parametrize("d", [64, 20])  # 20: a row ends inside a vector
+def test_native_write_stores_the_torch_bytes(dtype, d):
     g = torch.Generator().manual_seed(0)
-    tokens, kvh, d = 21, 2, 64
+    tokens, kvh = 21, 2
     qkv = (torch.randn(tokens, 8 * d, generator=g) * 3).to(dtype)
     k = qkv[:, 4 * d:6 * d].view(tokens, kvh, d)  # row-strided views, as the model hands them over
     v = qkv[:, 6 * d:].view(tokens, kvh, d)
     k[3, 1, 5] = float("inf")
+    v[7, 0, 2] = float("nan")
     slots = torch.randperm(10 * 16, generator=g)[:tokens]
     shape = kv_cache.cache_shape(10, 16, kvh, d, torch.int8)
     k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)

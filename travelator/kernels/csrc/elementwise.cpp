@@ -276,6 +276,31 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 // same float steps as model/kv_cache.py's quantize_rows, so both give the same bytes.
 template <typename T>
 void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
+#if defined(TRAVELATOR_VEC16)
+  if constexpr (kVectorised<T>) {
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 not_finite = 0;
+    for (int64_t i = 0; i < d; i += kLanes) {
+      const __mmask16 m = v16::lanes(d - i);
+      const __m512 v = v16::load(x + i, m);
+      // v - v is 0 for a finite v, NaN for an infinity or a NaN.
+      not_finite |= _mm512_mask_cmp_ps_mask(m, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    }
+    const bool finite = not_finite == 0;
+    const float amax = finite ? _mm512_reduce_max_ps(vmax) : 0.0f;
+    const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+    for (int64_t i = 0; i < d; i += kLanes) {
+      const __mmask16 m = v16::lanes(d - i);
+      // Converted with the default rounding, to nearest even: std::nearbyint's.
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v16::load(x + i, m), inv));
+      _mm512_mask_cvtepi32_storeu_epi8(out + i, m, finite ? codes : _mm512_setzero_si512());
+    }
+    std::memcpy(out + d, &scale, sizeof(scale));
+    return;
+  }
+#endif
   float amax = 0.0f;
   bool finite = true;
   for (int64_t i = 0; i < d; ++i) {
