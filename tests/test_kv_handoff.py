@@ -129,14 +129,14 @@ def test_bad_hand_offs_are_refused():
 
 
 # ---- between processes: torch.distributed point-to-point --------------------------------
-def _worker(rank: int, port: int, prompts: list[str], max_tokens: int, results) -> None:
+def _worker(rank: int, port: int, prompts: list[str], max_tokens: int, kv_cache_dtype: str, results) -> None:
     import torch.distributed as dist
 
     from travelator.distributed.kv_transport import KVChannel
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=120))
     channel = KVChannel(store, rank, 2, timeout_s=120)
-    engine = LLM(str(STORIES), **ENGINE).engine
+    engine = LLM(str(STORIES), **ENGINE, kv_cache_dtype=kv_cache_dtype).engine
     params = greedy(max_tokens)
     if rank == 0:  # the prefill worker
         ids = [engine.add_request(p, params, hand_off=True).request_id for p in prompts]
@@ -152,7 +152,8 @@ def _worker(rank: int, port: int, prompts: list[str], max_tokens: int, results) 
                      channel.received.bytes, engine.kv.num_used_blocks))
 
 
-def test_a_hand_off_travels_between_processes():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: codes and scales as bytes
+def test_a_hand_off_travels_between_processes(kv_cache_dtype):
     import multiprocessing
 
     from travelator.server.process import free_port
@@ -160,7 +161,7 @@ def test_a_hand_off_travels_between_processes():
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, PROMPTS, 24, results)) for rank in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(rank, port, PROMPTS, 24, kv_cache_dtype, results)) for rank in (0, 1)]
     for p in procs:
         p.start()
     got = dict((name, rest) for name, *rest in (results.get(timeout=180) for _ in procs))
@@ -168,7 +169,7 @@ def test_a_hand_off_travels_between_processes():
         p.join(timeout=60)
         assert p.exitcode == 0
     (first, sent, used_p), (rest, received, used_d) = got["prefill"], got["decode"]
-    ref = LLM(str(STORIES), **ENGINE).generate(PROMPTS, greedy(24), use_tqdm=False)
+    ref = LLM(str(STORIES), **ENGINE, kv_cache_dtype=kv_cache_dtype).generate(PROMPTS, greedy(24), use_tqdm=False)
     assert [a + b for a, b in zip(first, rest)] == [r.outputs[0].text for r in ref]
     assert sent == received > 0 and used_p == used_d == 0
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from travelator.engine.kv_handoff import KVHandoff
 
 _TAG_SIZE, _TAG_HEADER, _TAG_LAYER0 = 0, 1, 2
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int8": torch.int8}  # int8: the int8 KV cache's rows (codes and scale bytes)
 
 
 @dataclass(slots=True)

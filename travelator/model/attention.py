@@ -91,7 +91,7 @@ class PagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, row]: row D, or D + 4 (int8, model/kv_cache.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:

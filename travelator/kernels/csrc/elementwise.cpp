@@ -271,8 +271,9 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   });
 }
 
-// One head's vector as an int8 cache row: codes = round(x * 127 / max|x|), then the float32
-// scale max|x| / 127; a row with a NaN or an infinity gets codes 0 and a NaN scale. The
+// One head's vector as an int8 cache row: codes = round(x * (127 / max|x|)), then the float32
+// scale max|x| / 127; a row with a NaN or an infinity gets codes 0 and a NaN scale, a row
+// whose 127 / max|x| overflows (all zeros, or below ~4e-37) codes 0. The
 // same float steps as model/kv_cache.py's quantize_rows, so both give the same bytes.
 template <typename T>
 void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
@@ -290,7 +291,8 @@ void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
     const bool finite = not_finite == 0;
     const float amax = finite ? _mm512_reduce_max_ps(vmax) : 0.0f;
     const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+    const float inv_scalar = 127.0f / amax;  // all zeros, or a max below ~4e-37: not finite
+    const __m512 inv = _mm512_set1_ps(finite && std::isfinite(inv_scalar) ? inv_scalar : 0.0f);
     for (int64_t i = 0; i < d; i += kLanes) {
       const __mmask16 m = v16::lanes(d - i);
       // Converted with the default rounding, to nearest even: std::nearbyint's.
@@ -309,7 +311,8 @@ void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
     amax = std::max(amax, std::fabs(v));
   }
   const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-  const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+  const float inv_scalar = 127.0f / amax;  // all zeros, or a max below ~4e-37: not finite
+  const float inv = finite && std::isfinite(inv_scalar) ? inv_scalar : 0.0f;
   for (int64_t i = 0; i < d; ++i)
     out[i] = finite ? static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) * inv)) : 0;
   std::memcpy(out + d, &scale, sizeof(scale));

@@ -289,10 +289,13 @@ template <typename cache_t>
 inline void prefetch_keys(const cache_t* cache, const int64_t* key_offset, int64_t key_bytes, int hint) {
   for (int64_t j = 0; j < 16; ++j) {
     if (j > 0 && key_offset[j] == key_offset[j - 1]) continue;  // padding repeats a key
+    // From the line the rows start in (int8 rows of head_dim + 4 bytes are not line-aligned).
     const char* row = reinterpret_cast<const char*>(cache + key_offset[j]);
-    for (int64_t byte = 0; byte < key_bytes; byte += 64) {
-      if (hint == 0) _mm_prefetch(row + byte, _MM_HINT_T0);
-      else _mm_prefetch(row + byte, _MM_HINT_T1);
+    const char* end = row + key_bytes;
+    row = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~static_cast<uintptr_t>(63));
+    for (; row < end; row += 64) {
+      if (hint == 0) _mm_prefetch(row, _MM_HINT_T0);
+      else _mm_prefetch(row, _MM_HINT_T1);
     }
   }
 }

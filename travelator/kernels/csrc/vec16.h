@@ -1,7 +1,7 @@
 // Sixteen float lanes of AVX-512 for the element-wise kernels: loads and stores of float32
 // and bf16 with a lane mask (so a row's tail goes through the same instructions as its
-// body), rounding to bf16 exactly as c10::BFloat16 rounds (to nearest even, NaN to
-// 0x7FC0), and the vector form of travelator::exp_approx.
+// body), rounding to bf16 to nearest even as c10::BFloat16 rounds (see bf16_bits for the
+// edge cases where AVX512-BF16 differs), and the vector form of travelator::exp_approx.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
