@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "float_math.h"
+#include "vec16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -53,23 +54,6 @@ inline __m512 load16(const int8_t* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) for x <= 0, the same reduction and polynomial as travelator::exp_approx.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.98756912e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Lane j of the result is the sum of v[j]'s 16 lanes: a fixed tree of in-register
@@ -396,7 +380,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       for (int64_t g0 = 0; g0 < padded; g0 += 16) {
         const int64_t left = n_valid - g0;
         const __mmask16 lanes = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(lanes, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + g0), m_vec)));
+        const __m512 p = _mm512_maskz_mov_ps(lanes, travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(sr + g0), m_vec)));
         _mm512_storeu_ps(sr + g0, p);
         sum = _mm512_add_ps(sum, p);
       }
@@ -555,14 +539,14 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
         }
         const __m512 m_new = _mm512_max_ps(m[rb], mx);
         // Every row sees key 0, so m_new is finite from the first chunk on.
-        const __m512 alpha = exp16_nonpositive(_mm512_sub_ps(m[rb], m_new));
+        const __m512 alpha = travelator::vec16::exp(_mm512_sub_ps(m[rb], m_new));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < 2 * n_pairs; j += 2) {
           __m512 p2[2];
           for (int u = 0; u < 2; ++u) {
             if (j + u < nk) {
               const __mmask16 sees = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(chunk0 + j + u)), row_pos[rb]);
-              p2[u] = _mm512_maskz_mov_ps(sees, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
+              p2[u] = _mm512_maskz_mov_ps(sees, travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
             } else {
               p2[u] = _mm512_setzero_ps();
             }

@@ -1,14 +1,48 @@
-// Sixteen float lanes of AVX-512 for the element-wise kernels: loads and stores of float32
-// and bf16 with a lane mask (so a row's tail goes through the same instructions as its
-// body), rounding to bf16 to nearest even as c10::BFloat16 rounds (see bf16_bits for the
-// edge cases where AVX512-BF16 differs), and the vector form of travelator::exp_approx.
+// Sixteen float lanes of AVX-512 for the CPU kernels. With AVX512F: the vector form of
+// travelator::exp_approx and a reciprocal. With BW and VL too (TRAVELATOR_VEC16): loads and
+// stores of float32 and bf16 with a lane mask (so a row's tail goes through the same
+// instructions as its body), rounding to bf16 to nearest even as c10::BFloat16 rounds (see
+// bf16_bits for the edge cases where AVX512-BF16 differs).
 #pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace travelator::vec16 {
+
+// 1 / d to about 2^-28 (an approximate reciprocal and one Newton step): a division is
+// several times dearer on this hardware, and a result within a float ulp rounds to the
+// same bf16 value but for values on a rounding boundary.
+inline __m512 reciprocal(__m512 d) {
+  const __m512 r = _mm512_rcp14_ps(d);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+}
+
+// travelator::exp_approx on 16 lanes: the same clamp, reduction and polynomial (its last
+// step adds r + 1 in one rounding where the scalar form adds r, then 1).
+inline __m512 exp(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.98756912e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace travelator::vec16
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TRAVELATOR_VEC16 1
 
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 
 #include <cstdint>
 
@@ -46,31 +80,6 @@ inline void store(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_
 inline __m512 round_as(float, __m512 v) { return v; }
 inline __m512 round_as(c10::BFloat16, __m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
-}
-
-// 1 / d to about 2^-28 (an approximate reciprocal and one Newton step): a division is
-// several times dearer on this hardware, and a result within a float ulp rounds to the
-// same bf16 value but for values on a rounding boundary.
-inline __m512 reciprocal(__m512 d) {
-  const __m512 r = _mm512_rcp14_ps(d);
-  return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
-}
-
-// travelator::exp_approx on 16 lanes: the same clamp, reduction and polynomial.
-inline __m512 exp(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.98756912e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 }  // namespace travelator::vec16
