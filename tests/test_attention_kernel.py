@@ -177,3 +177,32 @@ def test_a_lone_request_split_over_kv_heads_matches_itself_in_a_batch(dtype, til
             torch.testing.assert_close(alone.double(), ref, atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 20])  # 20: the portable path on every CPU
+def test_rows_do_not_depend_on_the_block_size(dtype, d):
+    """The same keys at the same positions, stored in blocks of 4, 8 or 16 (at scattered
+    places): the same rows, bit for bit. Engines with different block sizes must agree."""
+    heads, kvh, n_keys = 4, 2, 75
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
+    vals = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
+    q = torch.randn(n_keys, heads, d, generator=g).to(dtype)
+    outs = []
+    for bs in (4, 8, 16):
+        num_blocks = 40
+        table = random.Random(bs).sample(range(num_blocks), -(-n_keys // bs))
+        k_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)  # stale numbers around
+        v_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+        for p in range(n_keys):
+            k_cache[table[p // bs], p % bs] = keys[p]
+            v_cache[table[p // bs], p % bs] = vals[p]
+        # A prompt of 70 queries at context 0 and a decode at 74 keys: every chunk boundary.
+        prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d)
+        decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d)
+        outs.append(torch.cat([prompt, decode]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = reference(q[:70], k_cache, v_cache, [(0, 70, table)], d**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(outs[2][:70].double(), ref, atol=tol, rtol=tol)

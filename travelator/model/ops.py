@@ -90,6 +90,11 @@ class NativeOps(TorchOps):
         self._ops = torch.ops.travelator
         # Parameter -> its oneDNN-packed copy (bf16 weights on the CPU only).
         self._packed: dict[torch.Tensor, torch.Tensor] = {}
+        # Parameter -> its float32 copy: bf16 weights on CPUs where oneDNN has no bf16 GEMM
+        # (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 machines), whose bf16 path in torch is
+        # 4-5x slower than float32's. The products of bf16 numbers are exact in float32, so
+        # this is a bf16 GEMM with float32 sums, as oneDNN's is; it costs twice the memory.
+        self._widened: dict[torch.Tensor, torch.Tensor] = {}
         # Built only where the compiler targets AVX512-BF16. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
@@ -105,23 +110,28 @@ class NativeOps(TorchOps):
         self.tiled_prefill_attention = not batch_invariant
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
-        if not torch.backends.mkldnn.is_available():
-            return
+        bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         for w in linear_weights:
             if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
-                self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+                if bf16_gemm:
+                    self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+                else:
+                    self._widened[w] = w.detach().float()
 
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, torch.Tensor):  # quantized: int8 / int4
             return self._quantized_layer(x, weight, bias)
-        packed = self._packed.get(weight)
-        if packed is None:
-            call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
-        else:
+        packed, widened = self._packed.get(weight), self._widened.get(weight)
+        if packed is not None:
             call = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # noqa: E731
+        elif widened is not None:
+            wide_bias = None if bias is None else bias.float()
+            call = lambda rows: F.linear(rows.float(), widened, wide_bias).to(rows.dtype)  # noqa: E731
+        else:
+            call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
         if self.batch_invariant:
             return _in_fixed_tiles(call, x)
-        if (packed is not None and self._small_m_linear is not None and bias is None
+        if ((packed is not None or widened is not None) and self._small_m_linear is not None and bias is None
                 and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
             # One or two rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)

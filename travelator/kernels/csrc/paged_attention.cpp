@@ -3,15 +3,16 @@
 // request's block table (no gather into padded copies).
 //
 // Batch invariance by construction: every (query, head) row is reduced on its own,
-// over the keys in cache-block order (block 0, 1, ...: absolute positions, so the same
-// for a decode, a prefill chunk or a whole prompt), with the same code whatever else is
+// over the keys in order of position, in chunks of a fixed number of positions (so the same
+// for a decode, a prefill chunk or a whole prompt, at any block size), with the same code whatever else is
 // in the call. Work is split over threads by (request, query tile, and a range of KV heads
 // when there are fewer items than threads), never inside a row, so the thread count and the
 // batch change nothing in a row's result.
 //
-// Per key block: K is transposed into a float [D][bs] tile, so a row's bs scores are
-// accumulated over d in a fixed order (vectorised across keys, no horizontal sums);
-// then an online-softmax update (running max m, sum l, accumulator acc[D]).
+// Per chunk of keys (a fixed count of absolute positions, never the cache's blocks): K is
+// gathered through the block table into a float [D][keys] tile, so a row's scores are
+// accumulated over d in a fixed order (vectorised across keys, no horizontal sums); then an
+// online-softmax update (running max m, sum l, accumulator acc[D]).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,6 +40,8 @@
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
+// Keys a portable-path chunk takes: independent of the block size, for batch invariance.
+constexpr int64_t kPortableKeyChunk = 32;
 
 #if defined(__AVX512F__)
 // AVX-512 path: 16 floats a vector. A row's numbers depend only on its own inputs
@@ -117,9 +120,9 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
   const int64_t rows = w.num_queries * group;
   // Keys visible to the tile's last query; earlier rows stop sooner (causal).
   const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
-  const int64_t num_blocks = last_pos / bs + 1;
 
-  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kt(D * bs), vf(bs * D), s(bs);
+  constexpr int64_t C = kPortableKeyChunk;
+  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kt(D * C, 0.0f), vf(C * D), s(C);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
   for (int64_t i = 0; i < w.num_queries; ++i) {
     const int64_t token = query_start[w.request] + w.first_query + i;
@@ -130,34 +133,37 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
     }
   }
   const int64_t* table = block_tables + w.request * table_width;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t key0 = b * bs;
-    const int64_t valid_in_block = std::min(bs, last_pos + 1 - key0);
-    const int64_t base = (table[b] * bs * num_kv_heads + kv_head) * row;
-    for (int64_t j = 0; j < valid_in_block; ++j) {
-      const cache_t* kj = k_cache + base + j * num_kv_heads * row;
-      const cache_t* vj = v_cache + base + j * num_kv_heads * row;
+  // Keys in chunks of C absolute positions, whatever the block size: a row's numbers are
+  // then the same for any block size, as on the AVX-512 path.
+  for (int64_t key0 = 0; key0 <= last_pos; key0 += C) {
+    const int64_t valid_in_chunk = std::min(C, last_pos + 1 - key0);
+    for (int64_t j = 0; j < valid_in_chunk; ++j) {
+      const int64_t key = key0 + j;
+      const int64_t offset = ((table[key / bs] * bs + key % bs) * num_kv_heads + kv_head) * row;
+      const cache_t* kj = k_cache + offset;
+      const cache_t* vj = v_cache + offset;
       const float ks = row_scale(kj, D), vs = row_scale(vj, D);
-      for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = static_cast<float>(kj[d]) * ks;
+      for (int64_t d = 0; d < D; ++d) kt[d * C + j] = static_cast<float>(kj[d]) * ks;
       for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]) * vs;
     }
     for (int64_t i = 0; i < w.num_queries; ++i) {
-      const int64_t n_valid = std::min(valid_in_block, first_pos + w.first_query + i + 1 - key0);
+      const int64_t n_valid = std::min(valid_in_chunk, first_pos + w.first_query + i + 1 - key0);
       if (n_valid <= 0) continue;
       for (int64_t r = 0; r < group; ++r) {
         const int64_t row = i * group + r;
         const float* qr = &qf[row * D];
-        // Scores of this row against the block's keys, summed over d in order.
-        for (int64_t j = 0; j < bs; ++j) s[j] = 0.0f;
+        // Scores of this row against the chunk's keys, summed over d in order (lanes past
+        // the valid keys hold stale numbers and are never read).
+        for (int64_t j = 0; j < C; ++j) s[j] = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qr[d];
-          const float* kd = &kt[d * bs];
-          for (int64_t j = 0; j < bs; ++j) s[j] += qd * kd[j];
+          const float* kd = &kt[d * C];
+          for (int64_t j = 0; j < C; ++j) s[j] += qd * kd[j];
         }
-        float block_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n_valid; ++j) block_max = std::max(block_max, s[j]);
-        const float m_new = std::max(m[row], block_max);
-        const float alpha = travelator::exp_approx(m[row] - m_new);  // 0 on the first block
+        float chunk_max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n_valid; ++j) chunk_max = std::max(chunk_max, s[j]);
+        const float m_new = std::max(m[row], chunk_max);
+        const float alpha = travelator::exp_approx(m[row] - m_new);  // 0 on the first chunk
         float sum = 0.0f;
         for (int64_t j = 0; j < n_valid; ++j) {
           s[j] = travelator::exp_approx(s[j] - m_new);
