@@ -128,21 +128,23 @@ def test_argmax_rows_is_torch_argmax(dtype):
     assert torch.equal(ops.argmax_rows(x[:, :3].contiguous()), x[:, :3].argmax(dim=-1))
 
 
-@pytest.mark.skipif(not hasattr(ops, "small_m_linear"), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not hasattr(ops, "small_m_linear"), reason="needs AVX512-BF16 or AVX2")
 @pytest.mark.parametrize("n,k", [(37, 100), (64, 32), (1000, 333), (2048, 1024)])
 def test_small_m_linear_against_float64(n, k):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    x = torch.randn(2, k, generator=g).to(torch.bfloat16)
+    max_rows = ops.small_m_linear_rows()  # 2 on AVX512-BF16, 4 on AVX2
+    x = torch.randn(max_rows, k, generator=g).to(torch.bfloat16)
     ref = x.double() @ w.double().T  # bf16 inputs are exact in float64
     y = ops.small_m_linear(x, w)
-    assert y.dtype == torch.bfloat16 and y.shape == (2, n)
+    assert y.dtype == torch.bfloat16 and y.shape == (max_rows, n)
     # float32 sums, then one bf16 rounding: within a few bf16 ulps of the exact value.
     torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    # A row's result does not depend on the other row.
-    assert torch.equal(ops.small_m_linear(x[1:].contiguous(), w)[0], y[1])
-    with pytest.raises(RuntimeError, match="1 to 2 rows"):
-        ops.small_m_linear(torch.zeros(3, k, dtype=torch.bfloat16), w)
+    # A row's result does not depend on the other rows.
+    for rows in range(1, max_rows):
+        assert torch.equal(ops.small_m_linear(x[-rows:].contiguous(), w), y[-rows:])
+    with pytest.raises(RuntimeError, match=f"1 to {max_rows} rows"):
+        ops.small_m_linear(torch.zeros(max_rows + 1, k, dtype=torch.bfloat16), w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

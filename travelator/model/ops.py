@@ -5,8 +5,9 @@ the native kernels do not build. ``NativeOps`` runs the same operations through
 travelator's C++ CPU kernels (fused RMSNorm with the residual add, SiLU * up, rotary in
 place, paged attention in one call per layer, a vectorised argmax for the sampler) and keeps
 bf16 weights pre-packed for oneDNN, so no linear layer reorders its weight at every call
-(about 1.5x faster at the row counts of a decode step); steps of one or two rows stream the
-natural-layout weights through ``small_m_linear`` instead.
+(about 1.5x faster at the row counts of a decode step), or widened to float32 on CPUs where
+oneDNN has no bf16 GEMM; steps of a few rows stream the natural-layout weights through
+``small_m_linear`` instead.
 
 With ``batch_invariant``, ``NativeOps`` makes every row's numbers independent of the other
 rows of the step: the native kernels already compute each row on its own, and linear layers
@@ -29,8 +30,6 @@ from travelator.model.attention import AttentionBackend
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from travelator.model.quant import QUANT_KERNEL_ROWS, TILE_ROWS, Int8Weight, QuantizedWeight
 
-# Rows of x up to which bf16 linears use the streaming kernel (kMaxRows in small_m_linear.cpp).
-SMALL_M_ROWS = 2
 # Rows of every linear-layer call in batch-invariant mode.
 INVARIANT_ROWS = 64
 # Tiles of 64 output rows a quantized layer is dequantized in at a time (past the kernel's rows).
@@ -90,14 +89,17 @@ class NativeOps(TorchOps):
         self._ops = torch.ops.travelator
         # Parameter -> its oneDNN-packed copy (bf16 weights on the CPU only).
         self._packed: dict[torch.Tensor, torch.Tensor] = {}
-        # Parameter -> its float32 copy: bf16 weights on CPUs where oneDNN has no bf16 GEMM
-        # (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 machines), whose bf16 path in torch is
-        # 4-5x slower than float32's. The products of bf16 numbers are exact in float32, so
-        # this is a bf16 GEMM with float32 sums, as oneDNN's is; it costs twice the memory.
+        # Parameter -> its float32 copy, packed for oneDNN: bf16 weights on CPUs where oneDNN
+        # has no bf16 GEMM (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 machines), whose bf16
+        # path in torch is 4-5x slower than float32's; packed, float32 runs 1.3-2.7x faster
+        # than F.linear there. The products of bf16 numbers are exact in float32, so this is a
+        # bf16 GEMM with float32 sums, as oneDNN's is; it costs twice the weights' memory.
         self._widened: dict[torch.Tensor, torch.Tensor] = {}
-        # Built only where the compiler targets AVX512-BF16. A second code path chosen by
+        # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
+        # Rows of x up to which it is faster than the GEMM library (2 on AVX512-BF16, 4 on AVX2).
+        self._small_m_rows = self._ops.small_m_linear_rows() if self._small_m_linear is not None else 0
         # int8/int4 weights at up to QUANT_KERNEL_ROWS rows (AVX512-VNNI builds); its rows do
         # not depend on each other, so it stays on when batch-invariant.
         self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI
@@ -110,13 +112,15 @@ class NativeOps(TorchOps):
         self.tiled_prefill_attention = not batch_invariant
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
-        bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if not torch.backends.mkldnn.is_available():
+            return
+        bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
         for w in linear_weights:
             if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
                 if bf16_gemm:
                     self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
                 else:
-                    self._widened[w] = w.detach().float()
+                    self._widened[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None)
 
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, torch.Tensor):  # quantized: int8 / int4
@@ -126,13 +130,14 @@ class NativeOps(TorchOps):
             call = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # noqa: E731
         elif widened is not None:
             wide_bias = None if bias is None else bias.float()
-            call = lambda rows: F.linear(rows.float(), widened, wide_bias).to(rows.dtype)  # noqa: E731
+            call = lambda rows: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
+                rows.float(), widened, wide_bias, "none", [], "").to(rows.dtype)
         else:
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
         if self.batch_invariant:
             return _in_fixed_tiles(call, x)
         if ((packed is not None or widened is not None) and self._small_m_linear is not None and bias is None
-                and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.bfloat16):
+                and x.dim() == 2 and x.shape[0] <= self._small_m_rows and x.dtype == torch.bfloat16):
             # One or two rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)

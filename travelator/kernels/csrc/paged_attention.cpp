@@ -33,7 +33,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -424,6 +424,167 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2 path (8 floats a vector), for head_dim 32, 64 or 128 on CPUs without AVX-512.
+// One KV head at a time, keys in chunks of kPortableKeyChunk absolute positions (as the
+// portable path); per row and chunk: the scores (a dot product per key, read in place from
+// the cache and widened to float, then summed across lanes in a fixed order), an
+// online-softmax update with an 8-lane exp, and p.V with the row's accumulators held in
+// registers. Every row goes through the same instructions whatever else is in the call.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+inline float max8(__m256 v) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+// travelator::exp_approx on 8 lanes: the same clamp, reduction and polynomial.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.98756912e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.39819994e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33345205e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16657962e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666657e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.00000000e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// acc[0 .. 8 * kVecs) += sum over the keys j < n of p[j] v_j[0 .. 8 * kVecs), in order.
+template <typename cache_t, int64_t kVecs>
+inline void pv_row_avx2(float* acc, const float* p, const cache_t* const* vrows, int64_t n, int64_t offset) {
+  __m256 a[kVecs];
+  for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_fmadd_ps(pj, load8(vrows[j] + offset + 8 * c), a[c]);
+  }
+  for (int64_t c = 0; c < kVecs; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
+template <typename scalar_t, typename cache_t, int64_t kChunks>
+void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q, const cache_t* k_cache,
+                           const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
+                           const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                           int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                           float scale) {
+  constexpr int64_t D = 8 * kChunks, C = kPortableKeyChunk, kRow = row_width<cache_t>(D);
+  constexpr int64_t kHalf = kChunks > 8 ? kChunks / 2 : kChunks;  // accumulators in registers at once
+  const int64_t bs = block_size, group = num_heads / num_kv_heads;
+  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
+  const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
+  const int64_t rows = w.num_queries * group;
+  const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t token0 = query_start[w.request] + w.first_query;
+  const int64_t* table = block_tables + w.request * table_width;
+
+  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), s(C), m(rows, -std::numeric_limits<float>::infinity()),
+      l(rows, 0.0f);
+  for (int64_t row = 0; row < rows; ++row) {
+    const scalar_t* src = q + (token0 + row / group) * q_stride + (kv_head * group + row % group) * D;
+    for (int64_t d = 0; d < D; ++d) qf[row * D + d] = static_cast<float>(src[d]) * scale;
+  }
+  const cache_t* krows[C];
+  const cache_t* vrows[C];
+  float kscale[C], vscale[C];
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t key0 = 0; key0 < n_keys; key0 += C) {
+    const int64_t valid = std::min(C, n_keys - key0);
+    for (int64_t j = 0; j < valid; ++j) {
+      const int64_t pos = key0 + j;
+      const int64_t offset = ((table[pos / bs] * bs + pos % bs) * num_kv_heads + kv_head) * kRow;
+      krows[j] = k_cache + offset;
+      vrows[j] = v_cache + offset;
+      kscale[j] = row_scale(krows[j], D);
+      vscale[j] = row_scale(vrows[j], D);
+    }
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t n_valid = std::min(valid, first_pos + row / group + 1 - key0);
+      if (n_valid <= 0) continue;
+      const float* qr = &qf[row * D];
+      __m256 qv[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
+      for (int64_t j = 0; j < n_valid; ++j) {
+        __m256 d0 = _mm256_mul_ps(qv[0], load8(krows[j]));
+        __m256 d1 = _mm256_mul_ps(qv[1], load8(krows[j] + 8));
+        for (int64_t c = 2; c < kChunks; c += 2) {
+          d0 = _mm256_fmadd_ps(qv[c], load8(krows[j] + 8 * c), d0);
+          d1 = _mm256_fmadd_ps(qv[c + 1], load8(krows[j] + 8 * c + 8), d1);
+        }
+        s[j] = sum8(_mm256_add_ps(d0, d1)) * kscale[j];
+      }
+      // Online softmax: p = exp(s - m_new) over the visible keys, 0 in the lanes past them.
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+      __m256 mx = _mm256_set1_ps(neg_inf);
+      for (int64_t g0 = 0; g0 < n_valid; g0 += 8) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane));
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(&s[g0]), live));
+      }
+      const float m_new = std::max(m[row], max8(mx));
+      const __m256 m_vec = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t g0 = 0; g0 < n_valid; g0 += 8) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane));
+        const __m256 p = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
+        _mm256_storeu_ps(&s[g0], p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      const float alpha = travelator::exp_approx(m[row] - m_new);  // ~0 on the first chunk
+      l[row] = l[row] * alpha + sum8(sum);
+      m[row] = m_new;
+      float* a = &acc[row * D];
+      const __m256 alpha_vec = _mm256_set1_ps(alpha);
+      for (int64_t c = 0; c < kChunks; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), alpha_vec));
+      if constexpr (std::is_same_v<cache_t, int8_t>)
+        for (int64_t j = 0; j < n_valid; ++j) s[j] *= vscale[j];
+      for (int64_t half = 0; half < kChunks; half += kHalf)
+        pv_row_avx2<cache_t, kHalf>(a + 8 * half, s.data(), vrows, n_valid, 8 * half);
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    scalar_t* dst = out + ((token0 + row / group) * num_heads + kv_head * group + row % group) * D;
+    const float inv = 1.0f / l[row];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
+  }
+}
+
+template <typename scalar_t, typename cache_t, int64_t kChunks>
+void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
+                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
+                      const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      float scale) {
+  (void)head_dim;
+  for (int64_t h = w.first_head; h < w.end_head; ++h)
+    attend_item_head_avx2<scalar_t, cache_t, kChunks>(w, h, q, k_cache, v_cache, out, query_start, seq_lens,
+                                                     block_tables, table_width, q_stride, num_heads,
+                                                     num_kv_heads, block_size, scale);
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // Prefill tiles with bf16 queries and cache, where the caller lets a row's numbers depend
 // on its tile (not batch_invariant): the query rows lie in the 16 lanes of a vector, so
@@ -644,6 +805,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (head_dim == 32) item_fn = &attend_item_vec<scalar_t, cache_t, 2>;
         if (head_dim == 64) item_fn = &attend_item_vec<scalar_t, cache_t, 4>;
         if (head_dim == 128) item_fn = &attend_item_vec<scalar_t, cache_t, 8>;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        if (head_dim == 32) item_fn = &attend_item_avx2<scalar_t, cache_t, 4>;
+        if (head_dim == 64) item_fn = &attend_item_avx2<scalar_t, cache_t, 8>;
+        if (head_dim == 128) item_fn = &attend_item_avx2<scalar_t, cache_t, 16>;
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {

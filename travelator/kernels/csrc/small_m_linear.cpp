@@ -1,14 +1,19 @@
-// y = x W^T for one or two rows of x (a decode step of one or two requests), bf16 weights
+// y = x W^T for a few rows of x (a decode step of one to a few requests), bf16 weights
 // in their natural [N, K] layout. At these sizes the step only streams the weights, and
-// oneDNN's blocked GEMM reaches about 75% of the machine's read bandwidth here; reading
-// each weight row front to back, four rows at a time, with vdpbf16ps (bf16 pairs into
-// float32 sums) and the next rows prefetched, runs at about the bandwidth of a plain sum.
+// the GEMM libraries read them well below the machine's bandwidth (oneDNN's blocked GEMM
+// at about 75% on AVX512-BF16 machines; on AVX2 machines, which have no bf16 GEMM, torch's
+// float32 GEMM over widened weights at about 40%). Reading each weight row front to back,
+// four rows at a time, with the next rows prefetched, runs at about the bandwidth of a sum.
 //
+// Two builds of the same loop:
+// - AVX512-BF16: 32 lanes a step, vdpbf16ps (bf16 pairs into float32 sums); up to 2 rows
+//   (past them oneDNN's AMX GEMM is faster).
+// - AVX2 + FMA: 8 lanes a step, each bf16 widened to float32 (a shift: exact), then FMA;
+//   up to 4 rows (past them float32 GEMM over widened weights wins).
 // Every output is summed over K in the same order whatever M is and however N is split
 // over threads, so a row's result does not depend on the other rows of x.
 //
-// Registered only where the compiler targets AVX512-BF16; the Python side falls back to
-// oneDNN elsewhere.
+// Not registered on other CPUs; the Python side then uses the GEMM library.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -73,6 +79,93 @@ void rows(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int6
   });
 }
 
+void small_m_kernel(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t M, int64_t K,
+                    int64_t N) {
+  if (M == 1) rows<1>(x, w, y, K, N);
+  else rows<2>(x, w, y, K, N);
+}
+
+}  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;
+constexpr int64_t kAhead = 4;  // prefetch distance in weight rows: the next tile
+
+// 8 bf16 as 8 floats: a bf16 is the top half of a float32.
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// xf: x widened to float32, [M][K]. Lanes k < K8 (a multiple of 8) in vectors, the rest
+// after them in order, so every output has one summation order.
+template <int64_t M, int64_t R>
+void tile(const float* xf, const c10::BFloat16* w, c10::BFloat16* y, int64_t K, int64_t N, int64_t n0) {
+  const int64_t K8 = K / 8 * 8;
+  __m256 acc[M][R];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(w + std::min(n0 + kAhead, N - 1) * K);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[R];
+    for (int64_t r = 0; r < R; ++r) {
+      if ((k & 31) == 0) _mm_prefetch(ahead + (r * K + k) * 2, _MM_HINT_T0);  // a line per 32 lanes
+      wv[r] = widen8(w + (n0 + r) * K + k);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
+      for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < R; ++r) {
+      float sum = sum8(acc[m][r]);
+      const c10::BFloat16* wr = w + (n0 + r) * K;
+      for (int64_t k = K8; k < K; ++k) sum += xf[m * K + k] * static_cast<float>(wr[k]);
+      y[m * N + n0 + r] = c10::BFloat16(sum);
+    }
+}
+
+template <int64_t M>
+void rows(const float* xf, const c10::BFloat16* w, c10::BFloat16* y, int64_t K, int64_t N) {
+  constexpr int64_t R = M <= 2 ? 4 : 2;  // accumulators and weights within the 16 registers
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t stop = std::min(N, (chunk + 1) * 64);
+      int64_t n = chunk * 64;
+      for (; n + R <= stop; n += R) tile<M, R>(xf, w, y, K, N, n);
+      for (; n < stop; ++n) tile<M, 1>(xf, w, y, K, N, n);
+    }
+  });
+}
+
+void small_m_kernel(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t M, int64_t K,
+                    int64_t N) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
+  switch (M) {
+    case 1: rows<1>(xf.data(), w, y, K, N); break;
+    case 2: rows<2>(xf.data(), w, y, K, N); break;
+    case 3: rows<3>(xf.data(), w, y, K, N); break;
+    default: rows<4>(xf.data(), w, y, K, N); break;
+  }
+}
+
+}  // namespace
+#endif
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+namespace {
+
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_m_linear: bad shapes");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
@@ -84,17 +177,18 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (M) {
-    case 1: rows<1>(xp, wp, yp, K, N); break;
-    default: rows<2>(xp, wp, yp, K, N); break;
-  }
+  small_m_kernel(xp, wp, yp, M, K, N);
   return y;
 }
+
+int64_t small_m_linear_rows() { return kMaxRows; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("small_m_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("small_m_linear", c10::DispatchKey::CPU, &small_m_linear);
+  // The most rows of x this build takes.
+  m.def("small_m_linear_rows() -> int", &small_m_linear_rows);
 }
 #endif
