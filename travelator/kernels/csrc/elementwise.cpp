@@ -15,6 +15,7 @@
 
 #include "float_math.h"
 #include "vec16.h"
+#include "vec8.h"
 
 #include <algorithm>
 #include <cmath>
@@ -57,13 +58,18 @@ float sum_squares(const T* x, int64_t n) {
   return part[0];
 }
 
-#if defined(TRAVELATOR_VEC16)
-namespace v16 = travelator::vec16;
-
-// float32 and bf16 take the explicit AVX-512 forms below (the compiler does not vectorise
-// the scalar loops' bf16 conversions); other types the scalar loops.
+#if defined(TRAVELATOR_VEC16) || defined(TRAVELATOR_VEC8)
+// float32 and bf16 take the explicit AVX-512 (or AVX2) forms below (the compiler does not
+// vectorise the scalar loops' bf16 conversions); other types the scalar loops.
 template <typename T>
 constexpr bool kVectorised = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#endif
+#if defined(TRAVELATOR_VEC8)
+namespace v8 = travelator::vec8;
+#endif
+
+#if defined(TRAVELATOR_VEC16)
+namespace v16 = travelator::vec16;
 
 // sum_squares with the kLanes partial sums in one register, combined by the same tree.
 template <typename T>
@@ -195,7 +201,20 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
         continue;
       }
 #endif
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(TRAVELATOR_VEC8)
+      // 8 lanes at a time, then the row's tail by the scalar steps below.
+      if constexpr (kVectorised<T>) {
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= inter; i += 8) {
+          const __m256 x = v8::load(g + i);
+          const __m256 e = v8::exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+          const __m256 silu = v8::round_as(T{}, _mm256_div_ps(x, _mm256_add_ps(one, e)));
+          v8::store(o + i, _mm256_mul_ps(silu, v8::load(u + i)));
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
         const float silu = static_cast<float>(round_to<T>(x / (1.0f + travelator::exp_approx(-x))));
         o[i] = round_to<T>(silu * static_cast<float>(u[i]));

@@ -23,6 +23,7 @@
 
 #include "float_math.h"
 #include "vec16.h"
+#include "vec8.h"
 
 #include <algorithm>
 #include <atomic>
@@ -33,7 +34,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -424,53 +425,19 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(TRAVELATOR_VEC8)
+namespace v8 = travelator::vec8;
+
 // AVX2 path (8 floats a vector), for head_dim 32, 64 or 128 on CPUs without AVX-512.
 // One KV head at a time, keys in chunks of kPortableKeyChunk absolute positions (as the
 // portable path); per row and chunk: the scores (a dot product per key, read in place from
 // the cache and widened to float, then summed across lanes in a fixed order), an
 // online-softmax update with an 8-lane exp, and p.V with the row's accumulators held in
 // registers. Every row goes through the same instructions whatever else is in the call.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline float sum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
-
 inline float max8(__m256 v) {
   const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
-
-// travelator::exp_approx on 8 lanes: the same clamp, reduction and polynomial.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.98756912e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.39819994e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33345205e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16657962e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666657e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.00000000e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // acc[0 .. 8 * kVecs) += sum over the keys j < n of p[j] v_j[0 .. 8 * kVecs), in order.
@@ -480,7 +447,7 @@ inline void pv_row_avx2(float* acc, const float* p, const cache_t* const* vrows,
   for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_fmadd_ps(pj, load8(vrows[j] + offset + 8 * c), a[c]);
+    for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_fmadd_ps(pj, v8::load(vrows[j] + offset + 8 * c), a[c]);
   }
   for (int64_t c = 0; c < kVecs; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
@@ -528,13 +495,13 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
       __m256 qv[kChunks];
       for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
       for (int64_t j = 0; j < n_valid; ++j) {
-        __m256 d0 = _mm256_mul_ps(qv[0], load8(krows[j]));
-        __m256 d1 = _mm256_mul_ps(qv[1], load8(krows[j] + 8));
+        __m256 d0 = _mm256_mul_ps(qv[0], v8::load(krows[j]));
+        __m256 d1 = _mm256_mul_ps(qv[1], v8::load(krows[j] + 8));
         for (int64_t c = 2; c < kChunks; c += 2) {
-          d0 = _mm256_fmadd_ps(qv[c], load8(krows[j] + 8 * c), d0);
-          d1 = _mm256_fmadd_ps(qv[c + 1], load8(krows[j] + 8 * c + 8), d1);
+          d0 = _mm256_fmadd_ps(qv[c], v8::load(krows[j] + 8 * c), d0);
+          d1 = _mm256_fmadd_ps(qv[c + 1], v8::load(krows[j] + 8 * c + 8), d1);
         }
-        s[j] = sum8(_mm256_add_ps(d0, d1)) * kscale[j];
+        s[j] = v8::sum(_mm256_add_ps(d0, d1)) * kscale[j];
       }
       // Online softmax: p = exp(s - m_new) over the visible keys, 0 in the lanes past them.
       const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -548,12 +515,12 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
       __m256 sum = _mm256_setzero_ps();
       for (int64_t g0 = 0; g0 < n_valid; g0 += 8) {
         const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane));
-        const __m256 p = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
+        const __m256 p = _mm256_and_ps(live, v8::exp(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
         _mm256_storeu_ps(&s[g0], p);
         sum = _mm256_add_ps(sum, p);
       }
       const float alpha = travelator::exp_approx(m[row] - m_new);  // ~0 on the first chunk
-      l[row] = l[row] * alpha + sum8(sum);
+      l[row] = l[row] * alpha + v8::sum(sum);
       m[row] = m_new;
       float* a = &acc[row * D];
       const __m256 alpha_vec = _mm256_set1_ps(alpha);
@@ -805,7 +772,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (head_dim == 32) item_fn = &attend_item_vec<scalar_t, cache_t, 2>;
         if (head_dim == 64) item_fn = &attend_item_vec<scalar_t, cache_t, 4>;
         if (head_dim == 128) item_fn = &attend_item_vec<scalar_t, cache_t, 8>;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(TRAVELATOR_VEC8)
         if (head_dim == 32) item_fn = &attend_item_avx2<scalar_t, cache_t, 4>;
         if (head_dim == 64) item_fn = &attend_item_avx2<scalar_t, cache_t, 8>;
         if (head_dim == 128) item_fn = &attend_item_avx2<scalar_t, cache_t, 16>;

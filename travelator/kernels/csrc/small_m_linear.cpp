@@ -8,7 +8,7 @@
 // Two builds of the same loop:
 // - AVX512-BF16: 32 lanes a step, vdpbf16ps (bf16 pairs into float32 sums); up to 2 rows
 //   (past them oneDNN's AMX GEMM is faster).
-// - AVX2 + FMA: 8 lanes a step, each bf16 widened to float32 (a shift: exact), then FMA;
+// - AVX2 + FMA (vec8.h): 8 lanes a step, each bf16 widened to float32 (a shift: exact), then FMA;
 //   up to 4 rows (past them float32 GEMM over widened weights wins).
 // Every output is summed over K in the same order whatever M is and however N is split
 // over threads, so a row's result does not depend on the other rows of x.
@@ -20,6 +20,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include "vec8.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -86,25 +88,12 @@ void small_m_kernel(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat1
 }
 
 }  // namespace
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
+#elif defined(TRAVELATOR_VEC8)
 namespace {
+namespace v8 = travelator::vec8;
 
 constexpr int64_t kMaxRows = 4;
 constexpr int64_t kAhead = 4;  // prefetch distance in weight rows: the next tile
-
-// 8 bf16 as 8 floats: a bf16 is the top half of a float32.
-inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float sum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
 
 // xf: x widened to float32, [M][K]. Lanes k < K8 (a multiple of 8) in vectors, the rest
 // after them in order, so every output has one summation order.
@@ -119,7 +108,7 @@ void tile(const float* xf, const c10::BFloat16* w, c10::BFloat16* y, int64_t K, 
     __m256 wv[R];
     for (int64_t r = 0; r < R; ++r) {
       if ((k & 31) == 0) _mm_prefetch(ahead + (r * K + k) * 2, _MM_HINT_T0);  // a line per 32 lanes
-      wv[r] = widen8(w + (n0 + r) * K + k);
+      wv[r] = v8::load(w + (n0 + r) * K + k);
     }
     for (int64_t m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(xf + m * K + k);
@@ -128,7 +117,7 @@ void tile(const float* xf, const c10::BFloat16* w, c10::BFloat16* y, int64_t K, 
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r) {
-      float sum = sum8(acc[m][r]);
+      float sum = v8::sum(acc[m][r]);
       const c10::BFloat16* wr = w + (n0 + r) * K;
       for (int64_t k = K8; k < K; ++k) sum += xf[m * K + k] * static_cast<float>(wr[k]);
       y[m * N + n0 + r] = c10::BFloat16(sum);
@@ -163,7 +152,7 @@ void small_m_kernel(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat1
 }  // namespace
 #endif
 
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512BF16__) || defined(TRAVELATOR_VEC8)
 namespace {
 
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
