@@ -70,6 +70,7 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
 
 @torch.inference_mode()
 def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
-    """log_softmax of the logits at every position of ``tokens``."""
-    logits = model(torch.tensor([tokens])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
+    """log_softmax of the logits at every position of ``tokens`` (float64 for a float64
+    model, else float32)."""
+    logits = model(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)

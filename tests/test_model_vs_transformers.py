@@ -4,6 +4,7 @@ chunked prefill and preemption."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -46,19 +47,26 @@ KERNELS = ["native", "torch"]
 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_logprobs_match(checkpoint, kernels):
+    """Logprobs against transformers run in float64 (the exact result, near enough): within
+    1e-4, or within 1.5x transformers' own float32 error where that is larger (llama_hd64's
+    large logits put float32 arithmetic itself about 1e-4 off; two float32 implementations
+    then differ by up to twice that, whichever is closer to the exact values)."""
     path, ref = checkpoint
     llm = LLM(str(path), dtype="float32", kernels=kernels)
     prompt = prompts(1, seed=1, lo=40, hi=40)[0]
     result = llm.generate([prompt], greedy(8, logprobs=5), use_tqdm=False)[0].outputs[0]
-    ref_lp = reference_logprobs(ref, prompt + result.token_ids)
+    tokens = prompt + result.token_ids
+    ref_lp = reference_logprobs(ref, tokens).double()
+    exact_lp = reference_logprobs(copy.deepcopy(ref).double(), tokens)
     for i, entry in enumerate(result.logprobs):
-        row = ref_lp[len(prompt) - 1 + i]
+        row, exact = ref_lp[len(prompt) - 1 + i], exact_lp[len(prompt) - 1 + i]
         assert entry.token_id == int(row.argmax())
-        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4)
         top_ids = sorted(entry.top_logprobs, key=entry.top_logprobs.get, reverse=True)
         assert top_ids == row.topk(5).indices.tolist()
+        float32_error = max(abs(float(row[t]) - float(exact[t])) for t in top_ids)
+        bound = max(1e-4, 1.5 * float32_error)
         for tok, lp in entry.top_logprobs.items():
-            assert lp == pytest.approx(float(row[tok]), abs=1e-4)
+            assert lp == pytest.approx(float(exact[tok]), abs=bound), (i, tok, float32_error)
 
 
 def check_against_reference(ref, llm: LLM, n: int, seed: int) -> LLM:
