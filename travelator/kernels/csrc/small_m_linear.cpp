@@ -104,6 +104,7 @@ void tile(const float* xf, const c10::BFloat16* w, c10::BFloat16* y, int64_t K, 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const char* ahead = reinterpret_cast<const char*>(w + std::min(n0 + kAhead, N - 1) * K);
+#pragma GCC unroll 4
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[R];
     for (int64_t r = 0; r < R; ++r) {
