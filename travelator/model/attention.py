@@ -5,8 +5,8 @@ Two backends read the same metadata:
 - ``native`` (default where it builds): one C++ call per layer for the whole flat
   batch, decodes and prefill chunks of any length mixed, keys and values read in place
   through the block tables (travelator/kernels/csrc/paged_attention.cpp). Each query row
-  is reduced over its keys in cache-block order with the same code whatever else is in
-  the step, so a request's numbers do not depend on its batch. Outside batch-invariant
+  is reduced over its keys in chunks of a fixed number of absolute positions, with the same
+  code whatever else is in the step, so a request's numbers do not depend on its batch. Outside batch-invariant
   mode, bf16 prefill tiles take a tiled kernel instead (query rows in vector lanes, 10-15%
   faster on long prompts here), whose numbers depend on how the prompt was chunked.
 - ``torch``: the fallback for machines without a compiler. The flat batch is ordered

@@ -93,7 +93,8 @@ class NativeOps(TorchOps):
         # has no bf16 GEMM (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 machines), whose bf16
         # path in torch is 4-5x slower than float32's; packed, float32 runs 1.3-2.7x faster
         # than F.linear there. The products of bf16 numbers are exact in float32, so this is a
-        # bf16 GEMM with float32 sums, as oneDNN's is; it costs twice the weights' memory.
+        # bf16 GEMM with float32 sums, as oneDNN's is. The bf16 weight stays (small_m_linear
+        # reads it), so the weights take three times their bf16 bytes.
         self._widened: dict[torch.Tensor, torch.Tensor] = {}
         # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
@@ -138,7 +139,7 @@ class NativeOps(TorchOps):
             return _in_fixed_tiles(call, x)
         if ((packed is not None or widened is not None) and self._small_m_linear is not None and bias is None
                 and x.dim() == 2 and x.shape[0] <= self._small_m_rows and x.dtype == torch.bfloat16):
-            # One or two rows only stream the weights: read in their natural layout.
+            # A few rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
 

@@ -41,8 +41,9 @@
 namespace {
 
 constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
-// Keys a portable-path chunk takes: independent of the block size, for batch invariance.
-constexpr int64_t kPortableKeyChunk = 32;
+// Keys a chunk of the portable and AVX2 paths takes: independent of the block size, for
+// batch invariance.
+constexpr int64_t kRowKeyChunk = 32;
 
 #if defined(__AVX512F__)
 // AVX-512 path: 16 floats a vector. A row's numbers depend only on its own inputs
@@ -122,7 +123,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
   // Keys visible to the tile's last query; earlier rows stop sooner (causal).
   const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
 
-  constexpr int64_t C = kPortableKeyChunk;
+  constexpr int64_t C = kRowKeyChunk;
   std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kt(D * C, 0.0f), vf(C * D), s(C);
   std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
   for (int64_t i = 0; i < w.num_queries; ++i) {
@@ -154,7 +155,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
         const int64_t row = i * group + r;
         const float* qr = &qf[row * D];
         // Scores of this row against the chunk's keys, summed over d in order (lanes past
-        // the valid keys hold stale numbers and are never read).
+        // the keys the row sees are computed from stale numbers and never used).
         for (int64_t j = 0; j < C; ++j) s[j] = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
           const float qd = qr[d];
@@ -429,7 +430,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
 namespace v8 = travelator::vec8;
 
 // AVX2 path (8 floats a vector), for head_dim 32, 64 or 128 on CPUs without AVX-512.
-// One KV head at a time, keys in chunks of kPortableKeyChunk absolute positions (as the
+// One KV head at a time, keys in chunks of kRowKeyChunk absolute positions (as the
 // portable path); per row and chunk: the scores (a dot product per key, read in place from
 // the cache and widened to float, then summed across lanes in a fixed order), an
 // online-softmax update with an 8-lane exp, and p.V with the row's accumulators held in
@@ -458,7 +459,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
                            const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                            float scale) {
-  constexpr int64_t D = 8 * kChunks, C = kPortableKeyChunk, kRow = row_width<cache_t>(D);
+  constexpr int64_t D = 8 * kChunks, C = kRowKeyChunk, kRow = row_width<cache_t>(D);
   constexpr int64_t kHalf = kChunks > 8 ? kChunks / 2 : kChunks;  // accumulators in registers at once
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];

@@ -1,4 +1,4 @@
-// 8-lane float helpers for AVX2 + FMA CPUs without AVX-512 (vec16.h's counterpart): loads
+// 8-lane float helpers for AVX2 + FMA + F16C CPUs without AVX-512 (vec16.h's counterpart): loads
 // that widen bf16, float16 and int8 to float, bf16 rounding as c10 rounds, and
 // travelator::exp_approx on 8 lanes.
 #pragma once
