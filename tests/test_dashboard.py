@@ -64,10 +64,14 @@ def test_the_stream_follows_the_batch_and_resumes():
         steps_before = metric(url, "travelator_engine_steps_total")
         with httpx.stream("GET", f"{url}/dashboard/stream", timeout=60) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
-            lengths = {"Once upon a time": 12, "The little dog": 7, "Lily and Tom": 3}
+            # Sent at the same instant, the first long enough that the others arrive while it
+            # runs: the batch then fills both seats (a 260K model makes a token in about 1 ms).
+            lengths = {"Once upon a time": 60, "The little dog": 7, "Lily and Tom": 3}
             answers = {}
+            start = threading.Barrier(len(lengths))
 
             def send(prompt, n):
+                start.wait()
                 answers[prompt] = complete(url, prompt, n).json()
 
             threads = [threading.Thread(target=send, args=item) for item in lengths.items()]
