@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=8, help="weights cycled through, so none stays in cache")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--no-torch-kernels", action="store_true",
+                    help="leave out torch's int8/int4 kernels (on AVX2 CPUs they take minutes)")
     args = ap.parse_args()
     print(f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f}; weight [{args.out_features}, {args.in_features}] x "
@@ -80,6 +82,8 @@ def main() -> None:
         "torch int8": ([torch_int8(w) for w in int8], lambda x, f: f(x)),
         "torch int4": ([torch_int4(w) for w in int4], lambda x, f: f(x)),
     }
+    if args.no_torch_kernels:
+        del kinds["torch int8"], kinds["torch int4"]
     print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>16}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
     for m in args.rows:
         x = torch.randn(m, args.in_features, generator=g).bfloat16()

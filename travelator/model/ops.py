@@ -101,24 +101,26 @@ class NativeOps(TorchOps):
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
         # Rows of x up to which it is faster than the GEMM library (2 on AVX512-BF16, 4 on AVX2).
         self._small_m_rows = self._ops.small_m_linear_rows() if self._small_m_linear is not None else 0
-        # int8/int4 weights at up to QUANT_KERNEL_ROWS rows (AVX512-VNNI builds); its rows do
+        # int8/int4 weights at up to QUANT_KERNEL_ROWS rows (AVX512-VNNI or AVX2 builds); its rows do
         # not depend on each other, so it stays on when batch-invariant.
-        self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI
-        self._quant_dequantize_built = hasattr(self._ops, "quant_dequantize_int8")  # AVX512-BW
+        self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI or AVX2
+        self._quant_dequantize_built = hasattr(self._ops, "quant_dequantize_int8")  # AVX512-BW or AVX2
         # Past QUANT_KERNEL_ROWS rows a quantized layer is dequantized, DEQUANT_TILES tiles of
         # output rows at a time, into this buffer (kept: a fresh one costs its page faults as
         # much as the work; bounded: at most DEQUANT_TILES * 64 columns of the weight).
         self._dequantized = torch.empty(0)
         # Likewise the tiled attention kernel for prefill tiles.
         self.tiled_prefill_attention = not batch_invariant
+        # Whether oneDNN has a bf16 GEMM here (see _widened). Without one, torch's bf16 matmul
+        # on dequantized columns takes seconds: they are dequantized to float32 instead.
+        self._bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         if not torch.backends.mkldnn.is_available():
             return
-        bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
         for w in linear_weights:
             if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
-                if bf16_gemm:
+                if self._bf16_gemm:
                     self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
                 else:
                     self._widened[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None)
@@ -173,8 +175,10 @@ class NativeOps(TorchOps):
         k = weight.packed_in_features
         tiles = weight.packed.shape[0]
         width = min(tiles, DEQUANT_TILES) * TILE_ROWS
-        if self._dequantized.dtype != x.dtype or self._dequantized.numel() < k * width:
-            self._dequantized = torch.empty(k * width, dtype=x.dtype)
+        gemm_dtype = x.dtype if self._bf16_gemm else torch.float32
+        rows = rows.to(gemm_dtype)
+        if self._dequantized.dtype != gemm_dtype or self._dequantized.numel() < k * width:
+            self._dequantized = torch.empty(k * width, dtype=gemm_dtype)
         out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
         for t0 in range(0, tiles, DEQUANT_TILES):
             t1 = min(tiles, t0 + DEQUANT_TILES)

@@ -24,8 +24,9 @@
 // A row's sums run over k in the same order whatever M is and however the rows are split
 // over threads, so a row's result does not depend on the other rows of x.
 //
-// Registered only where the compiler targets AVX512-VNNI and AVX512-BW; the Python side
-// dequantizes and calls the bf16 matmul elsewhere.
+// Built where the compiler targets AVX512-VNNI and AVX512-BW, or AVX2 (the same sums from
+// vpmaddubsw and vpmaddwd, see there); the Python side dequantizes and calls torch's matmul
+// elsewhere. The dequantizing path (many rows of x) is built for AVX512-BW and AVX2.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,6 +46,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec8.h"
+
 namespace {
 
 constexpr int64_t kTileRows = 64;     // output rows of a tile: 4 vectors of 16 lanes
@@ -61,7 +64,6 @@ void check_packed(const at::Tensor& packed, const char* name) {
               packed.size(2) == 4 && packed.size(3) == kTileRows, name, ": bad packed layout");
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (int8 weights)
 constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
 constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zero
@@ -69,10 +71,15 @@ constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zer
 // x in integers: per row, hi and lo bytes [K] and per block its scale and sum of xi.
 struct IntegerX {
   std::vector<int8_t> hi, lo;
+  std::vector<uint8_t> hi_abs, lo_abs;  // |hi|, |lo|: the AVX2 int8 tiles' unsigned operands
   std::vector<float> scale;
   std::vector<int32_t> sum;
   int64_t K = 0, block = 0, blocks = 0;
 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TRAVELATOR_QUANT_KERNEL 1
+constexpr int64_t kRowsPerTile = 2;  // rows of x a tile is read for at once
 
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 lanes) {
@@ -244,8 +251,222 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
     for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + m * out_stride + r * 16, tot[m][r]);
 }
 
-// Every tile against every row of x, rows two at a time (the tile stays in cache between):
-// tile(rows, t, m, out, stride) with rows a std::integral_constant of 1 or 2.
+#elif defined(TRAVELATOR_VEC8)
+// AVX2 has no vpdpbusd. vpmaddubsw (unsigned bytes times signed bytes, adjacent pairs summed
+// into int16, saturating) and then vpmaddwd (int16 pairs into int32) give the same sums
+// wherever no pair can saturate:
+//   int4: a code is at most 15, so a pair is at most 2 * 15 * 128;
+//   int8: q = u - 128 is taken signed (u ^ 0x80), x's bytes give their magnitude (at most 128)
+//         and lend their sign to q: a pair is at most 2 * 128 * 127 = 32512.
+// vpmaddwd by 256 instead of 1 scales the hi sums, so one int32 vector holds a block's
+// 256 (u . hi) + (u . lo). The integer sums are exact and the float steps are the AVX-512
+// kernel's, lane for lane, so a row comes out to the same bits on both.
+#define TRAVELATOR_QUANT_KERNEL 1
+namespace v8 = travelator::vec8;
+constexpr int64_t kRowsPerTile = 4;  // rows of x a tile is read for at once
+constexpr int kVectors = 8;          // vectors of 8 output rows in a tile
+
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* p, int64_t n) {
+  if (n >= 8) return v8::load(p);
+  alignas(32) float part[8] = {};
+  for (int64_t i = 0; i < n; ++i) part[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(part);
+}
+
+inline float max8(__m256 v) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+template <typename scalar_t>
+IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, int64_t block) {
+  IntegerX r;
+  r.K = K_padded, r.block = block, r.blocks = K_padded / block;
+  r.hi.assign(M * K_padded, 0), r.lo.assign(M * K_padded, 0);
+  r.hi_abs.assign(M * K_padded, 0), r.lo_abs.assign(M * K_padded, 0);
+  r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const scalar_t* row = x + m * K;
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
+      __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 8) {
+        const __m256 v = load8(row + k, k1 - k);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_bit, v));
+      }
+      if (_mm256_movemask_ps(nan)) {  // a NaN in x: the block's sums are NaN, as in float
+        r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float top = max8(mx);
+      if (!(top > kXMinTop)) continue;  // as in the AVX-512 kernel: xi = 0
+      const __m256 inv = _mm256_set1_ps(kXMax / top);
+      const __m256i lim = _mm256_set1_epi32(kXMax), neg_lim = _mm256_set1_epi32(-kXMax);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k1; k += 8) {
+        // Round to nearest even (the default rounding mode), then clamp.
+        __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(row + k, k1 - k), inv));
+        xi = _mm256_max_epi32(_mm256_min_epi32(xi, lim), neg_lim);
+        sum = _mm256_add_epi32(sum, xi);  // lanes past k1 are 0
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), xi);
+        for (int64_t i = 0; i < std::min<int64_t>(8, k1 - k); ++i) {
+          const int8_t lo = static_cast<int8_t>(lanes[i] & 0xFF);  // low byte, signed
+          const int8_t hi = static_cast<int8_t>((lanes[i] - lo) / 256);
+          const int64_t at = m * K_padded + k + i;
+          r.lo[at] = lo, r.hi[at] = hi;
+          r.lo_abs[at] = static_cast<uint8_t>(std::abs(static_cast<int>(lo)));
+          r.hi_abs[at] = static_cast<uint8_t>(std::abs(static_cast<int>(hi)));
+        }
+      }
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      r.scale[m * r.blocks + b] = top / kXMax;
+      r.sum[m * r.blocks + b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+    }
+  }
+  return r;
+}
+
+template <typename byte_t>
+inline __m256i bcast4(const byte_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// A step of x for one row (4 inputs): hi and lo bytes, and their magnitudes (unsigned).
+struct XStep {
+  __m256i hi, lo, hi_abs, lo_abs;
+};
+
+inline XStep x_step(const IntegerX& xi, int64_t at) {
+  return {bcast4(&xi.hi[at]), bcast4(&xi.lo[at]), bcast4(&xi.hi_abs[at]), bcast4(&xi.lo_abs[at])};
+}
+
+// acc + 256 (q . hi) + (q . lo) over each lane's 4 bytes, q signed.
+inline __m256i dot_int8(__m256i acc, __m256i q, const XStep& x) {
+  const __m256i ph = _mm256_maddubs_epi16(x.hi_abs, _mm256_sign_epi8(q, x.hi));
+  const __m256i pl = _mm256_maddubs_epi16(x.lo_abs, _mm256_sign_epi8(q, x.lo));
+  const __m256i h = _mm256_madd_epi16(ph, _mm256_set1_epi16(256)), l = _mm256_madd_epi16(pl, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(h, l));
+}
+
+// acc + 256 (u . hi) + (u . lo) over 8 inputs: u0 the codes of the first 4 (low nibbles), u1
+// of the next 4. Two int16 pairs add up to at most 4 * 15 * 128: no saturation.
+inline __m256i dot_int4(__m256i acc, __m256i u0, __m256i u1, __m256i hi0, __m256i lo0, __m256i hi1, __m256i lo1) {
+  const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(u0, hi0), _mm256_maddubs_epi16(u1, hi1));
+  const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(u0, lo0), _mm256_maddubs_epi16(u1, lo1));
+  const __m256i h = _mm256_madd_epi16(ph, _mm256_set1_epi16(256)), l = _mm256_madd_epi16(pl, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(h, l));
+}
+
+// The 4 lines of a step 2 KB on (as in the AVX-512 kernel).
+inline void prefetch_ahead(const uint8_t* wk) {
+  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64 * line, _MM_HINT_T0);
+}
+
+// One tile of 64 output rows (8 vectors of 8) against MR rows of x, int8 weights. Sixteen
+// registers do not hold 8 vectors' sums for several rows, so each block of inputs (8 KB of
+// the tile, which stays in L1) is taken in passes of 4 / MR vectors. The running float sums
+// live in `out`.
+template <int64_t MR>
+void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
+               int64_t out_stride) {
+  constexpr int RG = 4 / MR;  // vectors per pass
+  const int64_t K = xi.K;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // u ^ 0x80: q as a signed byte
+  for (int64_t m = 0; m < MR; ++m)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
+  for (int64_t b = 0; b < xi.blocks; ++b) {
+    const int64_t k0 = b * xi.block;
+    for (int v0 = 0; v0 < kVectors; v0 += RG) {
+      __m256i acc[MR][RG];
+      for (int64_t m = 0; m < MR; ++m)
+        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + xi.block; k += 4) {
+        const uint8_t* wk = w + k * kTileRows;  // 8 vectors of 32 bytes
+        if (v0 == 0) prefetch_ahead(wk);
+        XStep xs[MR];
+        for (int64_t m = 0; m < MR; ++m) xs[m] = x_step(xi, (m0 + m) * K + k);
+        for (int v = 0; v < RG; ++v) {
+          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32)), flip);
+          for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int8(acc[m][v], q, xs[m]);
+        }
+      }
+      for (int64_t m = 0; m < MR; ++m) {
+        const __m256 scale = _mm256_set1_ps(xi.scale[(m0 + m) * xi.blocks + b]);
+        for (int v = 0; v < RG; ++v) {
+          float* tot = out + m * out_stride + (v0 + v) * 8;
+          _mm256_storeu_ps(tot, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][v]), scale, _mm256_loadu_ps(tot)));
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m)
+    for (int v = 0; v < kVectors; ++v) {
+      float* tot = out + m * out_stride + v * 8;
+      _mm256_storeu_ps(tot, _mm256_mul_ps(_mm256_loadu_ps(tot), _mm256_loadu_ps(row_scale + v * 8)));
+    }
+}
+
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero).
+template <int64_t MR>
+void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz, float* out,
+               int64_t out_stride) {
+  constexpr int RG = 4 / MR;
+  const int64_t K = xi.K;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t m = 0; m < MR; ++m)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
+  for (int64_t g = 0; g < xi.blocks; ++g) {
+    const int64_t k0 = g * xi.block;
+    const float* s = sz + g * 2 * kTileRows;
+    const float* z = s + kTileRows;
+    for (int v0 = 0; v0 < kVectors; v0 += RG) {
+      __m256i acc[MR][RG];
+      for (int64_t m = 0; m < MR; ++m)
+        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + xi.block; k += 8) {
+        const uint8_t* wk = w + k / 2 * kTileRows;  // 8 vectors of 32 bytes: 8 inputs of 64 rows
+        if (v0 == 0) prefetch_ahead(wk);
+        __m256i hi0[MR], lo0[MR], hi1[MR], lo1[MR];
+        for (int64_t m = 0; m < MR; ++m) {
+          const int64_t at = (m0 + m) * K + k;
+          hi0[m] = bcast4(&xi.hi[at]), lo0[m] = bcast4(&xi.lo[at]);
+          hi1[m] = bcast4(&xi.hi[at + 4]), lo1[m] = bcast4(&xi.lo[at + 4]);
+        }
+        for (int v = 0; v < RG; ++v) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32));
+          const __m256i u0 = _mm256_and_si256(d, nibble), u1 = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
+          for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int4(acc[m][v], u0, u1, hi0[m], lo0[m], hi1[m], lo1[m]);
+        }
+      }
+      for (int64_t m = 0; m < MR; ++m) {
+        const int64_t mg = (m0 + m) * xi.blocks + g;
+        const __m256i offset = _mm256_set1_epi32(8 * xi.sum[mg]);
+        const __m256 xs = _mm256_set1_ps(xi.scale[mg]);
+        const __m256 zx = _mm256_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
+        for (int v = 0; v < RG; ++v) {
+          const int r = (v0 + v) * 8;
+          float* tot = out + m * out_stride + r;
+          const __m256 sxs = _mm256_mul_ps(_mm256_loadu_ps(s + r), xs);
+          __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][v], offset)), sxs, _mm256_loadu_ps(tot));
+          _mm256_storeu_ps(tot, _mm256_fmadd_ps(_mm256_loadu_ps(z + r), zx, t));
+        }
+      }
+    }
+  }
+}
+#endif
+
+#if defined(TRAVELATOR_QUANT_KERNEL)
+// Every tile against every row of x, kRowsPerTile rows at a time (the tile stays in cache
+// between), then 2 and 1: tile(rows, t, m, out, stride) with rows a std::integral_constant.
 template <typename scalar_t, typename TileFn>
 at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn tile) {
   const int64_t M = x.size(0);
@@ -257,7 +478,11 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn til
     float* out = out_rows.data();
     for (int64_t t = begin; t < end; ++t) {
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) tile(std::integral_constant<int64_t, 2>{}, t, m, out + m * kTileRows, kTileRows);
+      for (; m + kRowsPerTile <= M; m += kRowsPerTile)
+        tile(std::integral_constant<int64_t, kRowsPerTile>{}, t, m, out + m * kTileRows, kTileRows);
+      if constexpr (kRowsPerTile > 2) {
+        if (m + 2 <= M) tile(std::integral_constant<int64_t, 2>{}, t, m, out + m * kTileRows, kTileRows), m += 2;
+      }
       if (m < M) tile(std::integral_constant<int64_t, 1>{}, t, m, out + m * kTileRows, kTileRows);
       const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
       for (int64_t mm = 0; mm < M; ++mm)
@@ -318,14 +543,16 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   });
 }
 
-#endif  // AVX512-VNNI
+#endif  // TRAVELATOR_QUANT_KERNEL
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TRAVELATOR_QUANT_DEQUANTIZE 1
 // The float weights, transposed: [K, N padded to 64] in `dtype`, for many rows of x, where
 // the bf16 GEMM (AMX) on a dequantized copy beats the integer kernel. A vector's 16 lanes
 // are 16 output rows, which lie side by side in W^T: every store is a whole vector.
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
+constexpr int64_t kLanes = 16;
+inline void store_lanes(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_lanes(c10::BFloat16* p, __m512 v) {
   // Round to nearest even, as c10::BFloat16 does (no NaNs here).
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -333,9 +560,18 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-// For every tile t, step of inputs and vector r of 16 rows (in parallel over tiles), in W^T's
-// whole cache lines (a tile's 64 columns) step by step: emit(t, step, r, put), where put(i, v)
-// stores v as the 16 columns of W^T's row step * inputs_per_step + i.
+#elif defined(TRAVELATOR_VEC8)
+#define TRAVELATOR_QUANT_DEQUANTIZE 1
+namespace v8 = travelator::vec8;
+constexpr int64_t kLanes = 8;
+template <typename scalar_t>
+inline void store_lanes(scalar_t* p, __m256 v) { v8::store(p, v); }
+#endif
+
+#if defined(TRAVELATOR_QUANT_DEQUANTIZE)
+// For every tile t, step of inputs and vector r of kLanes rows (in parallel over tiles), in
+// W^T's whole cache lines (a tile's 64 columns) step by step: emit(t, step, r, put), where
+// put(i, v) stores v as the kLanes columns of W^T's row step * inputs_per_step + i.
 template <typename EmitFn>
 void dequantize_tiles(at::Tensor& out, int64_t n_tiles, int64_t steps, int64_t inputs_per_step, const char* name,
                       EmitFn emit) {
@@ -349,14 +585,17 @@ void dequantize_tiles(at::Tensor& out, int64_t n_tiles, int64_t steps, int64_t i
     at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
         for (int64_t step = 0; step < steps; ++step)
-          for (int r = 0; r < 4; ++r) {
-            scalar_t* cols = o + step * inputs_per_step * Np + t * kTileRows + r * 16;
-            emit(t, step, r, [&](int64_t i, __m512 v) { store16(cols + i * Np, v); });
+          for (int r = 0; r < kTileRows / kLanes; ++r) {
+            scalar_t* cols = o + step * inputs_per_step * Np + t * kTileRows + r * kLanes;
+            emit(t, step, r, [&](int64_t i, auto v) { store_lanes(cols + i * Np, v); });
           }
     });
   });
 }
 
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 // out: [K, N padded] (a buffer the caller keeps: a fresh one costs its page faults, as much
 // as the work itself here).
 void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
@@ -394,18 +633,56 @@ void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_ze
   });
 }
 
-#endif  // AVX512F, AVX512BW
+#elif defined(TRAVELATOR_VEC8)
+void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+  check_packed(packed, "quant_dequantize_int8");
+  const int64_t n_tiles = packed.size(0), quads = packed.size(1);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  dequantize_tiles(out, n_tiles, quads, 4, "quant_dequantize_int8", [&](int64_t t, int64_t kq, int r, auto put) {
+    const __m256 scale = _mm256_loadu_ps(s + t * kTileRows + r * kLanes);
+    const __m256i d = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(w + (t * quads + kq) * 4 * kTileRows + r * kLanes * 4));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i u = _mm256_and_si256(_mm256_srli_epi32(d, 8 * j), _mm256_set1_epi32(0xFF));
+      put(j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(128))), scale));
+    }
+  });
+}
+
+void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group, at::Tensor out) {
+  check_packed(packed, "quant_dequantize_int4");
+  const int64_t n_tiles = packed.size(0), octets = packed.size(1), K = octets * 8, groups = K / group;
+  TORCH_CHECK(K % group == 0 && scales_zeros.numel() == n_tiles * groups * 2 * kTileRows, "quant_dequantize_int4: bad shape");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sz = scales_zeros.data_ptr<float>();
+  dequantize_tiles(out, n_tiles, octets, 8, "quant_dequantize_int4", [&](int64_t t, int64_t ko, int r, auto put) {
+    const float* g = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes;
+    const __m256 scale = _mm256_loadu_ps(g), zero = _mm256_loadu_ps(g + kTileRows);
+    // (q - 8) * scale + zero = q * scale + (zero - 8 * scale), as the AVX-512 path computes it
+    const __m256 base = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+    const __m256i d = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(w + (t * octets + ko) * 4 * kTileRows + r * kLanes * 4));
+    for (int j = 0; j < 8; ++j) {
+      const int shift = 8 * (j % 4) + 4 * (j / 4);
+      const __m256i q = _mm256_and_si256(_mm256_srli_epi32(d, shift), _mm256_set1_epi32(0x0F));
+      put(j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, base));
+    }
+  });
+}
+#endif
+
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(TRAVELATOR_QUANT_KERNEL)
   m.def("quant_linear_int8(Tensor x, Tensor packed, Tensor scales, int N) -> Tensor");
   m.impl("quant_linear_int8", c10::DispatchKey::CPU, &quant_linear_int8);
   m.def("quant_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group, int N) -> Tensor");
   m.impl("quant_linear_int4", c10::DispatchKey::CPU, &quant_linear_int4);
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(TRAVELATOR_QUANT_DEQUANTIZE)
   m.def("quant_dequantize_int8(Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
   m.impl("quant_dequantize_int8", c10::DispatchKey::CPU, &quant_dequantize_int8);
   m.def("quant_dequantize_int4(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> ()");
