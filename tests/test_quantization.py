@@ -323,32 +323,61 @@ def _reference_weight(q) -> torch.Tensor:
             + zero[..., None].double()).reshape(n, k)
 
 
+def _integer_form(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the integer kernel writes it (quant_linear.cpp's header), in float64: per row and
+    block, xi = round(x * (32512 / top)) in float32, times top / 32512; and that step."""
+    rows, k = x.shape
+    blocks = -(-k // block)
+    xb = torch.zeros(rows, blocks * block)
+    xb[:, :k] = x.float()
+    xb = xb.reshape(rows, blocks, block)
+    top = xb.abs().amax(dim=-1, keepdim=True)
+    xi = torch.round(xb * (32512 / top)).clamp(-32512, 32512)
+    step = top / 32512
+    return (xi.double() * step.double()).reshape(rows, -1)[:, :k], step[..., 0].double()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 40])  # 40: past the kernel, dequantized into the GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, "past the kernel"])  # the last: dequantized into the GEMM
 @pytest.mark.parametrize("method,k,group", [("int8", 1024, 0), ("int8", 200, 0), ("int4", 256, 32),
                                             ("int4", 1024, 128), ("int4", 512, 256)])
 def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k, group, rows, dtype):
     """The engine's integer kernel (``quant_linear.cpp``; 200 inputs: a padded block of x) and
     its dequantizing path, against x @ w^T in float64. 136 outputs: a partial tile. One large
     input lies in every row, as real activations have: x's integer form must keep the small
-    ones."""
+    ones. The kernel's rows: within half a step of x's integer form per input (its designed
+    error), and to float32 rounding of the product of that integer form."""
     ops = _native_ops()
+    kernel = rows != "past the kernel"
+    if not kernel:
+        rows = ops.quant_kernel_rows + 8
     w = torch.randn(136, k, generator=torch.Generator().manual_seed(2)) * 0.02
     q = quantize(w, method, group) if method == "int4" else quantize(w, method)
     x = _x(rows, k, torch.float32)
     x[:, 7] = 30.0
     x = x.to(dtype)
     got = ops.linear(x, q)
-    ref = x.double() @ _reference_weight(q).T
-    # bf16 output: its own rounding (2^-9 of each value) is the bound; float32: the integer form of x.
-    tol = 8e-3 if dtype == torch.bfloat16 else 1e-4
     assert got.dtype == dtype and got.shape == (rows, 136)
-    assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    weight = _reference_weight(q)
+    ref = x.double() @ weight.T
+    # bf16 output: its own rounding (2^-9 of each value) is the bound.
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-5
+    if kernel:
+        block = group or 128
+        x_int, step = _integer_form(x, block)
+        assert torch.allclose(got.double(), x_int @ weight.T, rtol=tol, atol=tol * ref.abs().max().item())
+        blocks = step.shape[1]
+        w_abs = torch.zeros(136, blocks * block, dtype=torch.float64)
+        w_abs[:, :k] = weight.abs()
+        bound = 0.5 * step @ w_abs.reshape(136, blocks, block).sum(dim=-1).T  # half a step per input
+        assert ((got.double() - ref).abs() <= bound * 1.01 + tol * ref.abs()).all()
+    else:
+        assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart():
     """NaN in x comes out as NaN (in its own row only); a bias is added; 3-D x and 0 rows;
-    float16 goes through torch; the dequantizing path (more than 32 rows) in several column
+    float16 goes through torch; the dequantizing path (past quant_kernel_rows) in several column
     blocks of a kept buffer, used by layers of other sizes and dtypes in between."""
     from travelator.model.ops import DEQUANT_TILES
 
@@ -357,7 +386,7 @@ def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart
     wide = quantize(torch.randn(DEQUANT_TILES * 64 + 100, 256, generator=g) * 0.02, "int4", 64)  # 2 blocks
     small = quantize(torch.randn(64, 128, generator=g) * 0.02, "int8")
     bias = torch.randn(wide.out_features, generator=g)
-    for rows in (2, 40):
+    for rows in (2, ops.quant_kernel_rows + 8):
         x = torch.randn(rows, 256, generator=g)
         x[1, 3] = float("nan")
         got = ops.linear(x, wide, bias)
@@ -366,7 +395,7 @@ def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart
         keep = torch.arange(rows) != 1
         assert torch.allclose(got[keep].double(), ref[keep], rtol=1e-4, atol=1e-4 * ref[keep].abs().max().item())
         for dtype in (torch.bfloat16, torch.float32):  # the small layer in between, both dtypes
-            xs = torch.randn(40, 128, generator=g).to(dtype)
+            xs = torch.randn(ops.quant_kernel_rows + 8, 128, generator=g).to(dtype)
             ref_small = xs.double() @ _reference_weight(small).T
             assert torch.allclose(ops.linear(xs, small).double(), ref_small, rtol=1e-2,
                                   atol=1e-2 * ref_small.abs().max().item())

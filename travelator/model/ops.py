@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from travelator import kernels
 from travelator.model.attention import AttentionBackend
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from travelator.model.quant import QUANT_KERNEL_ROWS, TILE_ROWS, Int8Weight, QuantizedWeight
+from travelator.model.quant import (
+    QUANT_KERNEL_ROWS,
+    QUANT_KERNEL_ROWS_FLOAT32_GEMM,
+    TILE_ROWS,
+    Int8Weight,
+    QuantizedWeight,
+)
 
 # Rows of every linear-layer call in batch-invariant mode.
 INVARIANT_ROWS = 64
@@ -101,11 +107,11 @@ class NativeOps(TorchOps):
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
         # Rows of x up to which it is faster than the GEMM library (2 on AVX512-BF16, 4 on AVX2).
         self._small_m_rows = self._ops.small_m_linear_rows() if self._small_m_linear is not None else 0
-        # int8/int4 weights at up to QUANT_KERNEL_ROWS rows (AVX512-VNNI or AVX2 builds); its rows do
+        # int8/int4 weights at up to quant_kernel_rows rows (AVX512-VNNI or AVX2 builds); its rows do
         # not depend on each other, so it stays on when batch-invariant.
         self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI or AVX2
         self._quant_dequantize_built = hasattr(self._ops, "quant_dequantize_int8")  # AVX512-BW or AVX2
-        # Past QUANT_KERNEL_ROWS rows a quantized layer is dequantized, DEQUANT_TILES tiles of
+        # Past quant_kernel_rows rows a quantized layer is dequantized, DEQUANT_TILES tiles of
         # output rows at a time, into this buffer (kept: a fresh one costs its page faults as
         # much as the work; bounded: at most DEQUANT_TILES * 64 columns of the weight).
         self._dequantized = torch.empty(0)
@@ -114,6 +120,8 @@ class NativeOps(TorchOps):
         # Whether oneDNN has a bf16 GEMM here (see _widened). Without one, torch's bf16 matmul
         # on dequantized columns takes seconds: they are dequantized to float32 instead.
         self._bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # Rows of x up to which a quantized layer takes the integer kernel (any, when invariant).
+        self.quant_kernel_rows = QUANT_KERNEL_ROWS if self._bf16_gemm else QUANT_KERNEL_ROWS_FLOAT32_GEMM
 
     def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
         if not torch.backends.mkldnn.is_available():
@@ -146,11 +154,12 @@ class NativeOps(TorchOps):
         return call(x)
 
     def _quantized_layer(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """Up to QUANT_KERNEL_ROWS rows, the engine's integer kernel, which streams the quantized
+        """Up to quant_kernel_rows rows, the engine's integer kernel, which streams the quantized
         bytes; its rows never depend on each other, so batch-invariant mode takes it for any
-        count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN)."""
+        count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN; float32
+        where there is no bf16 GEMM)."""
         native = x.dtype in (torch.bfloat16, torch.float32)
-        if native and self._quant_kernel_built and (self.batch_invariant or x.shape[:-1].numel() <= QUANT_KERNEL_ROWS):
+        if native and self._quant_kernel_built and (self.batch_invariant or x.shape[:-1].numel() <= self.quant_kernel_rows):
             return self._quant_kernel(x, weight, bias)
         if native and self._quant_dequantize_built:
             call = lambda rows: self._dequantized_linear(rows, weight, bias)  # noqa: E731

@@ -3,8 +3,9 @@
 The weights stay quantized in memory, in the layout of the engine's own kernel
 (``csrc/quant_linear.cpp``: integer dot products, see there), so a decode step streams 1/2 or
 1/4 of the bytes of a bf16 weight. Where that kernel does not apply (more than
-``QUANT_KERNEL_ROWS`` rows, or no native build) a layer is dequantized and multiplied in the
-activations' dtype.
+``QUANT_KERNEL_ROWS`` rows, ``QUANT_KERNEL_ROWS_FLOAT32_GEMM`` on CPUs without a bf16 GEMM, or
+no native build) a layer is dequantized and multiplied in the activations' dtype (float32
+where there is no bf16 GEMM).
 
 - int8: ``w[n, k] ~ q[n, k] * scale[n]``, q in [-127, 127], scale = max |w[n, :]| / 127.
 - int4: per group of ``group_size`` inputs, ``w ~ (q - 8) * scale + zero`` with q in [0, 15]
@@ -35,6 +36,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 TILE_ROWS = 64  # output rows of one tile of the packed layouts
 INT8_K_BLOCK = 128  # int8 inputs are padded to a multiple of this (the kernel's blocks of x)
 QUANT_KERNEL_ROWS = 32  # up to this many rows of x the native kernel beats dequantizing (see ops.py)
+# The same where the dequantized columns are multiplied in float32 (CPUs without a bf16 GEMM:
+# AVX2): there the kernel is ahead up to 512-1024 rows (docs/benchmarks.md).
+QUANT_KERNEL_ROWS_FLOAT32_GEMM = 512
 
 
 def _padded(n: int, multiple: int) -> int:

@@ -71,7 +71,7 @@ constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zer
 // x in integers: per row, hi and lo bytes [K] and per block its scale and sum of xi.
 struct IntegerX {
   std::vector<int8_t> hi, lo;
-  std::vector<uint8_t> hi_abs, lo_abs;  // |hi|, |lo|: the AVX2 int8 tiles' unsigned operands
+  std::vector<int16_t> xi16;  // xi itself: the AVX2 int8 tiles' operand
   std::vector<float> scale;
   std::vector<int32_t> sum;
   int64_t K = 0, block = 0, blocks = 0;
@@ -252,15 +252,15 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
 }
 
 #elif defined(TRAVELATOR_VEC8)
-// AVX2 has no vpdpbusd. vpmaddubsw (unsigned bytes times signed bytes, adjacent pairs summed
-// into int16, saturating) and then vpmaddwd (int16 pairs into int32) give the same sums
-// wherever no pair can saturate:
-//   int4: a code is at most 15, so a pair is at most 2 * 15 * 128;
-//   int8: q = u - 128 is taken signed (u ^ 0x80), x's bytes give their magnitude (at most 128)
-//         and lend their sign to q: a pair is at most 2 * 128 * 127 = 32512.
-// vpmaddwd by 256 instead of 1 scales the hi sums, so one int32 vector holds a block's
-// 256 (u . hi) + (u . lo). The integer sums are exact and the float steps are the AVX-512
-// kernel's, lane for lane, so a row comes out to the same bits on both.
+// AVX2 has no vpdpbusd; the same exact integer sums come from other instructions:
+//   int8: u widened to 16 bits and xi as it is (16-bit), vpmaddwd: pairs of products into
+//         int32, at most 2 * 255 * 32512 each, so a block of 128 inputs stays below 2^31;
+//   int4: vpmaddubsw (unsigned bytes times signed bytes, pairs into int16, saturating) on
+//         the codes and x's hi and lo bytes: a code is at most 15, so a pair is at most
+//         2 * 15 * 128 and nothing saturates; vpmaddwd by 256 or by 1 then widens the hi and
+//         lo sums, so one int32 vector holds a group's 256 (u . hi) + (u . lo).
+// The integer sums are the AVX-512 kernel's and so are the float steps, lane for lane, so a
+// row comes out of both with the same bits.
 #define TRAVELATOR_QUANT_KERNEL 1
 namespace v8 = travelator::vec8;
 constexpr int64_t kRowsPerTile = 4;  // rows of x a tile is read for at once
@@ -285,7 +285,7 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
   IntegerX r;
   r.K = K_padded, r.block = block, r.blocks = K_padded / block;
   r.hi.assign(M * K_padded, 0), r.lo.assign(M * K_padded, 0);
-  r.hi_abs.assign(M * K_padded, 0), r.lo_abs.assign(M * K_padded, 0);
+  r.xi16.assign(M * K_padded, 0);
   r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m) {
@@ -319,8 +319,7 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
           const int8_t hi = static_cast<int8_t>((lanes[i] - lo) / 256);
           const int64_t at = m * K_padded + k + i;
           r.lo[at] = lo, r.hi[at] = hi;
-          r.lo_abs[at] = static_cast<uint8_t>(std::abs(static_cast<int>(lo)));
-          r.hi_abs[at] = static_cast<uint8_t>(std::abs(static_cast<int>(hi)));
+          r.xi16[at] = static_cast<int16_t>(lanes[i]);
         }
       }
       const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
@@ -337,23 +336,6 @@ inline __m256i bcast4(const byte_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
-}
-
-// A step of x for one row (4 inputs): hi and lo bytes, and their magnitudes (unsigned).
-struct XStep {
-  __m256i hi, lo, hi_abs, lo_abs;
-};
-
-inline XStep x_step(const IntegerX& xi, int64_t at) {
-  return {bcast4(&xi.hi[at]), bcast4(&xi.lo[at]), bcast4(&xi.hi_abs[at]), bcast4(&xi.lo_abs[at])};
-}
-
-// acc + 256 (q . hi) + (q . lo) over each lane's 4 bytes, q signed.
-inline __m256i dot_int8(__m256i acc, __m256i q, const XStep& x) {
-  const __m256i ph = _mm256_maddubs_epi16(x.hi_abs, _mm256_sign_epi8(q, x.hi));
-  const __m256i pl = _mm256_maddubs_epi16(x.lo_abs, _mm256_sign_epi8(q, x.lo));
-  const __m256i h = _mm256_madd_epi16(ph, _mm256_set1_epi16(256)), l = _mm256_madd_epi16(pl, _mm256_set1_epi16(1));
-  return _mm256_add_epi32(acc, _mm256_add_epi32(h, l));
 }
 
 // acc + 256 (u . hi) + (u . lo) over 8 inputs: u0 the codes of the first 4 (low nibbles), u1
@@ -379,30 +361,44 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
                int64_t out_stride) {
   constexpr int RG = 4 / MR;  // vectors per pass
   const int64_t K = xi.K;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // u ^ 0x80: q as a signed byte
   for (int64_t m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
   for (int64_t b = 0; b < xi.blocks; ++b) {
     const int64_t k0 = b * xi.block;
     for (int v0 = 0; v0 < kVectors; v0 += RG) {
-      __m256i acc[MR][RG];
+      // Per vector two sums: rows 0-3 and 4-7 of its 8, each row in two lanes (inputs k, k+1
+      // and k+2, k+3).
+      __m256i acc[MR][RG][2];
       for (int64_t m = 0; m < MR; ++m)
-        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
+        for (int v = 0; v < RG; ++v) acc[m][v][0] = acc[m][v][1] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k0 + xi.block; k += 4) {
         const uint8_t* wk = w + k * kTileRows;  // 8 vectors of 32 bytes
         if (v0 == 0) prefetch_ahead(wk);
-        XStep xs[MR];
-        for (int64_t m = 0; m < MR; ++m) xs[m] = x_step(xi, (m0 + m) * K + k);
+        __m256i xv[MR];  // xi[k..k+3] in every 64 bits
+        for (int64_t m = 0; m < MR; ++m) {
+          int64_t four;
+          std::memcpy(&four, &xi.xi16[(m0 + m) * K + k], 8);
+          xv[m] = _mm256_set1_epi64x(four);
+        }
         for (int v = 0; v < RG; ++v) {
-          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32)), flip);
-          for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int8(acc[m][v], q, xs[m]);
+          const __m128i* d = reinterpret_cast<const __m128i*>(wk + (v0 + v) * 32);
+          const __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(d)), u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(d + 1));
+          for (int64_t m = 0; m < MR; ++m) {
+            acc[m][v][0] = _mm256_add_epi32(acc[m][v][0], _mm256_madd_epi16(u0, xv[m]));
+            acc[m][v][1] = _mm256_add_epi32(acc[m][v][1], _mm256_madd_epi16(u1, xv[m]));
+          }
         }
       }
       for (int64_t m = 0; m < MR; ++m) {
-        const __m256 scale = _mm256_set1_ps(xi.scale[(m0 + m) * xi.blocks + b]);
+        const int64_t mb = (m0 + m) * xi.blocks + b;
+        const __m256i offset = _mm256_set1_epi32(128 * xi.sum[mb]);
+        const __m256 scale = _mm256_set1_ps(xi.scale[mb]);
         for (int v = 0; v < RG; ++v) {
+          // Lanes (0 1 4 5 | 2 3 6 7) of the row sums, then in row order: sum u xi - 128 sum xi.
+          const __m256i rows = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][v][0], acc[m][v][1]), 0xD8);
           float* tot = out + m * out_stride + (v0 + v) * 8;
-          _mm256_storeu_ps(tot, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][v]), scale, _mm256_loadu_ps(tot)));
+          const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(rows, offset));
+          _mm256_storeu_ps(tot, _mm256_fmadd_ps(a, scale, _mm256_loadu_ps(tot)));
         }
       }
     }
