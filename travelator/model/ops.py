@@ -159,7 +159,8 @@ class NativeOps(TorchOps):
         count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN; float32
         where there is no bf16 GEMM)."""
         native = x.dtype in (torch.bfloat16, torch.float32)
-        if native and self._quant_kernel_built and (self.batch_invariant or x.shape[:-1].numel() <= self.quant_kernel_rows):
+        rows = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
+        if native and self._quant_kernel_built and (self.batch_invariant or rows <= self.quant_kernel_rows):
             return self._quant_kernel(x, weight, bias)
         if native and self._quant_dequantize_built:
             call = lambda rows: self._dequantized_linear(rows, weight, bias)  # noqa: E731
@@ -168,7 +169,10 @@ class NativeOps(TorchOps):
         return _in_fixed_tiles(call, x) if self.batch_invariant else call(x)
 
     def _quant_kernel(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        # Called four times per layer in every decode step: a 2-D contiguous x (the model's
+        # case) skips the reshapes, 9 of the 21 us a call cost in all.
+        flat = x.dim() == 2 and x.is_contiguous()
+        rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
         if isinstance(weight, Int8Weight):
             out = self._ops.quant_linear_int8(rows, weight.packed, weight.scales, weight.out_features)
         else:
@@ -176,7 +180,7 @@ class NativeOps(TorchOps):
                                               weight.out_features)
         if bias is not None:
             out = out + bias
-        return out.reshape(*x.shape[:-1], weight.out_features)
+        return out if flat else out.reshape(*x.shape[:-1], weight.out_features)
 
     def _dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

@@ -347,7 +347,7 @@ inline __m256i dot_int4(__m256i acc, __m256i u0, __m256i u1, __m256i hi0, __m256
   return _mm256_add_epi32(acc, _mm256_add_epi32(h, l));
 }
 
-// The 4 lines of a step 2 KB on (as in the AVX-512 kernel).
+// The 4 lines of a step 2 KB on (as in the AVX-512 kernel; 4 and 8 KB measured no different).
 inline void prefetch_ahead(const uint8_t* wk) {
   for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64 * line, _MM_HINT_T0);
 }
