@@ -1,9 +1,11 @@
 """One linear layer, bf16 against int8 and int4 weights, at the row counts of real steps.
 
 bf16, int8 and int4 run the engine's own path (``NativeOps.linear``). bf16: the streaming
-one-row kernel at M <= 2, oneDNN's pre-packed AMX/AVX-512 kernel above. int8 and int4: the
-engine's integer kernel (``csrc/quant_linear.cpp``) up to 32 rows, above that the weight
-dequantized into a kept buffer and oneDNN's bf16 GEMM. "torch int8" and "torch int4" are
+kernel ``small_m_linear`` up to 2 rows (4 on AVX2), oneDNN's pre-packed GEMM above (AMX /
+AVX-512 bf16, or float32 on widened weights where there is no bf16 GEMM). int8 and int4: the
+engine's integer kernel (``csrc/quant_linear.cpp``) up to ``NativeOps.quant_kernel_rows`` rows
+(32, or 256 without a bf16 GEMM; ``--quant-kernel-rows`` overrides it), above that the weight
+dequantized into a kept buffer and the GEMM. "torch int8" and "torch int4" are
 torch's own CPU kernels on the same codes (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``), for comparison. The weight is larger than the L3 cache by default (the 250M model's gate/up
 projection, 5632 x 1024, repeated over 8 copies), so each call streams it from memory, as in a
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-torch-kernels", action="store_true",
                     help="leave out torch's int8/int4 kernels (on AVX2 CPUs they take minutes)")
+    ap.add_argument("--quant-kernel-rows", type=int,
+                    help="rows up to which int8/int4 take the integer kernel (0: always dequantize)")
     args = ap.parse_args()
     print(f"{cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"load average {os.getloadavg()[0]:.2f}; weight [{args.out_features}, {args.in_features}] x "
@@ -73,17 +77,18 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - no compiler here: torch's own bf16 path
         ops = TorchOps()
     ops.prepare(weights)
+    if args.quant_kernel_rows is not None:
+        ops.quant_kernel_rows = args.quant_kernel_rows
     int8 = [quantize(w, "int8") for w in weights]
     int4 = [quantize(w, "int4", args.group_size) for w in weights]
     kinds = {
         "bf16": (weights, ops.linear),
         "int8": (int8, ops.linear),
         "int4": (int4, ops.linear),
-        "torch int8": ([torch_int8(w) for w in int8], lambda x, f: f(x)),
-        "torch int4": ([torch_int4(w) for w in int4], lambda x, f: f(x)),
     }
-    if args.no_torch_kernels:
-        del kinds["torch int8"], kinds["torch int4"]
+    if not args.no_torch_kernels:
+        kinds["torch int8"] = ([torch_int8(w) for w in int8], lambda x, f: f(x))
+        kinds["torch int4"] = ([torch_int4(w) for w in int4], lambda x, f: f(x))
     print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>16}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
     for m in args.rows:
         x = torch.randn(m, args.in_features, generator=g).bfloat16()

@@ -308,7 +308,7 @@ def _native_ops(batch_invariant: bool = False):
     from travelator.model.ops import NativeOps
 
     if not kernels.available() or not hasattr(torch.ops.travelator, "quant_linear_int8"):
-        pytest.skip("the native quantized kernel (AVX512-VNNI) does not build here")
+        pytest.skip("the native quantized kernel (AVX512-VNNI or AVX2) does not build here")
     return NativeOps(batch_invariant=batch_invariant)
 
 
@@ -338,7 +338,8 @@ def _integer_form(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, "past the kernel"])  # the last: dequantized into the GEMM
+# 7 rows: tiles of 4, 2 and 1 rows on AVX2; the last: dequantized into the GEMM.
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, "past the kernel"])
 @pytest.mark.parametrize("method,k,group", [("int8", 1024, 0), ("int8", 200, 0), ("int4", 256, 32),
                                             ("int4", 1024, 128), ("int4", 512, 256)])
 def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k, group, rows, dtype):
@@ -373,6 +374,32 @@ def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k,
         assert ((got.double() - ref).abs() <= bound * 1.01 + tol * ref.abs()).all()
     else:
         assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 256)])
+def test_the_native_quantized_kernel_is_exact_at_the_edges_of_its_integers(method, group):
+    """x of magnitude 1 everywhere is its own integer form (every |xi| = 32512), and weights of
+    one magnitude take the extreme codes (int8: q = +-127; int4: 0 and 15), so the kernel's
+    int32 block sums reach their largest values: row 0 (all +1) against output 0 (all +) makes
+    every product of a block the largest positive one. The result must be the float64 product
+    to float32 rounding. (int32 wraps harmlessly while a block's true sum fits; int8 blocks of
+    1024 inputs instead of 128 do not fit, and fail here.)"""
+    ops = _native_ops()
+    k = 1024
+    g = torch.Generator().manual_seed(5)
+    signs = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1  # noqa: E731
+    w = signs(136, k) * 0.02
+    w[0], w[1] = 0.02, -0.02
+    if method == "int4":  # each group's minimum and maximum: codes 0 and 15 only
+        w[0, ::group], w[1, 1::group] = -0.02, 0.02
+    x = signs(4, k)
+    x[0] = 1.0
+    q = quantize(w, method, group) if method == "int4" else quantize(w, method)
+    codes = q.codes()
+    assert set(codes.unique().tolist()) <= ({-127, 127} if method == "int8" else {0, 15})
+    ref = x.double() @ _reference_weight(q).T
+    got = ops.linear(x, q)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart():

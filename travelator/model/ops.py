@@ -159,8 +159,8 @@ class NativeOps(TorchOps):
         count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN; float32
         where there is no bf16 GEMM)."""
         native = x.dtype in (torch.bfloat16, torch.float32)
-        rows = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        if native and self._quant_kernel_built and (self.batch_invariant or rows <= self.quant_kernel_rows):
+        n_rows = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
+        if native and self._quant_kernel_built and (self.batch_invariant or n_rows <= self.quant_kernel_rows):
             return self._quant_kernel(x, weight, bias)
         if native and self._quant_dequantize_built:
             call = lambda rows: self._dequantized_linear(rows, weight, bias)  # noqa: E731

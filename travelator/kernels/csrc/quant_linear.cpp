@@ -42,7 +42,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -50,7 +50,11 @@
 
 namespace {
 
-constexpr int64_t kTileRows = 64;     // output rows of a tile: 4 vectors of 16 lanes
+#if defined(TRAVELATOR_VEC8)
+namespace v8 = travelator::vec8;
+#endif
+
+constexpr int64_t kTileRows = 64;     // output rows of a tile: 4 vectors of 16 lanes (AVX2: 8 of 8)
 
 // fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
 template <typename Fn>
@@ -113,6 +117,10 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
         continue;
       }
       const float top = _mm512_reduce_max_ps(mx);
+      if (std::isinf(top)) {  // an infinite x: kXMax / top would be 0; the block's sums are NaN
+        r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       // All zero (or padding), or too small for kXMax / top to be finite: xi = 0.
       if (!(top > kXMinTop)) continue;
       const __m512 inv = _mm512_set1_ps(kXMax / top);
@@ -262,7 +270,6 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
 // The integer sums are the AVX-512 kernel's and so are the float steps, lane for lane, so a
 // row comes out of both with the same bits.
 #define TRAVELATOR_QUANT_KERNEL 1
-namespace v8 = travelator::vec8;
 constexpr int64_t kRowsPerTile = 4;  // rows of x a tile is read for at once
 constexpr int kVectors = 8;          // vectors of 8 output rows in a tile
 
@@ -303,6 +310,10 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
         continue;
       }
       const float top = max8(mx);
+      if (std::isinf(top)) {  // as in the AVX-512 kernel
+        r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       if (!(top > kXMinTop)) continue;  // as in the AVX-512 kernel: xi = 0
       const __m256 inv = _mm256_set1_ps(kXMax / top);
       const __m256i lim = _mm256_set1_epi32(kXMax), neg_lim = _mm256_set1_epi32(-kXMax);
@@ -331,8 +342,7 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
   return r;
 }
 
-template <typename byte_t>
-inline __m256i bcast4(const byte_t* p) {
+inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
@@ -477,7 +487,10 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn til
       for (; m + kRowsPerTile <= M; m += kRowsPerTile)
         tile(std::integral_constant<int64_t, kRowsPerTile>{}, t, m, out + m * kTileRows, kTileRows);
       if constexpr (kRowsPerTile > 2) {
-        if (m + 2 <= M) tile(std::integral_constant<int64_t, 2>{}, t, m, out + m * kTileRows, kTileRows), m += 2;
+        if (m + 2 <= M) {
+          tile(std::integral_constant<int64_t, 2>{}, t, m, out + m * kTileRows, kTileRows);
+          m += 2;
+        }
       }
       if (m < M) tile(std::integral_constant<int64_t, 1>{}, t, m, out + m * kTileRows, kTileRows);
       const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
@@ -558,7 +571,6 @@ inline void store_lanes(c10::BFloat16* p, __m512 v) {
 
 #elif defined(TRAVELATOR_VEC8)
 #define TRAVELATOR_QUANT_DEQUANTIZE 1
-namespace v8 = travelator::vec8;
 constexpr int64_t kLanes = 8;
 template <typename scalar_t>
 inline void store_lanes(scalar_t* p, __m256 v) { v8::store(p, v); }
@@ -667,7 +679,6 @@ void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_ze
   });
 }
 #endif
-
 
 }  // namespace
 
