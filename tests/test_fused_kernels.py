@@ -168,3 +168,27 @@ def test_token_bitmask_against_a_plain_loop(dtype):
     fallback = logits.clone()
     TorchOps().apply_token_bitmask(fallback, masks, rows)
     assert torch.equal(native, want) and torch.equal(fallback, want)
+
+
+@pytest.mark.parametrize("bf16_gemm", [True, False], ids=["bf16 GEMM", "widened to float32"])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("biased", [False, True])
+def test_native_bf16_linear_against_float64(bf16_gemm, rows, biased):
+    """NativeOps.linear on bf16 weights, by both routes: oneDNN's bf16 GEMM, and the float32
+    copies AVX2 machines take (forced here, so that every CPU tests that route too)."""
+    from travelator.model.ops import NativeOps
+
+    if bf16_gemm and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
+    bias = torch.randn(200, generator=g).to(torch.bfloat16) if biased else None
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    native = NativeOps(bf16_gemm=bf16_gemm)
+    native.prepare([w])
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    for _ in range(2):  # the second call reuses what the first made (the widened bias)
+        y = native.linear(x, w, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+        # float32 sums, then one bf16 rounding: within a few bf16 ulps of the exact value.
+        torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)

@@ -89,7 +89,9 @@ class TorchOps:
 class NativeOps(TorchOps):
     attention_backend: AttentionBackend = "native"
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, bf16_gemm: bool | None = None) -> None:
+        """bf16_gemm: whether bf16 weights go to oneDNN's bf16 GEMM; None: where this CPU has
+        one. False takes the widened float32 route of AVX2 machines (tests take it anywhere)."""
         kernels.load()
         self.batch_invariant = batch_invariant
         self._ops = torch.ops.travelator
@@ -102,6 +104,9 @@ class NativeOps(TorchOps):
         # bf16 GEMM with float32 sums, as oneDNN's is. The bf16 weight stays (small_m_linear
         # reads it), so the weights take three times their bf16 bytes.
         self._widened: dict[torch.Tensor, torch.Tensor] = {}
+        # Bias -> its float32 copy for the widened route, made at its first call (prepare sees
+        # the weights only): a biased layer (Qwen2's QKV) converted its bias at every call.
+        self._widened_biases: dict[torch.Tensor, torch.Tensor] = {}
         # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_linear = None if batch_invariant else getattr(self._ops, "small_m_linear", None)
@@ -119,7 +124,9 @@ class NativeOps(TorchOps):
         self.tiled_prefill_attention = not batch_invariant
         # Whether oneDNN has a bf16 GEMM here (see _widened). Without one, torch's bf16 matmul
         # on dequantized columns takes seconds: they are dequantized to float32 instead.
-        self._bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if bf16_gemm is None:
+            bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self._bf16_gemm = bf16_gemm
         # Rows of x up to which a quantized layer takes the integer kernel (any, when invariant).
         self.quant_kernel_rows = QUANT_KERNEL_ROWS if self._bf16_gemm else QUANT_KERNEL_ROWS_FLOAT32_GEMM
 
@@ -140,7 +147,7 @@ class NativeOps(TorchOps):
         if packed is not None:
             call = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # noqa: E731
         elif widened is not None:
-            wide_bias = None if bias is None else bias.float()
+            wide_bias = None if bias is None else self._widened_bias(bias)
             call = lambda rows: torch.ops.mkldnn._linear_pointwise(  # noqa: E731
                 rows.float(), widened, wide_bias, "none", [], "").to(rows.dtype)
         else:
@@ -152,6 +159,12 @@ class NativeOps(TorchOps):
             # A few rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
+
+    def _widened_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        wide = self._widened_biases.get(bias)
+        if wide is None:
+            wide = self._widened_biases[bias] = bias.detach().float()
+        return wide
 
     def _quantized_layer(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """Up to quant_kernel_rows rows, the engine's integer kernel, which streams the quantized
