@@ -84,6 +84,7 @@ struct IntegerX {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TRAVELATOR_QUANT_KERNEL 1
 constexpr int64_t kRowsPerTile = 2;  // rows of x a tile is read for at once
+constexpr bool kPairTiles = true;    // one row of x: tiles taken two at a time (see tiles_int8)
 
 inline __m512 load16(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 lanes) {
@@ -161,32 +162,39 @@ inline __m512i block_sum(__m512i u_hi, __m512i u_lo, __m512i offset) {
   return _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(u_hi, 8), u_lo), offset);
 }
 
-// One tile of 64 output rows against MR rows of x (rows m0..m0+MR-1), int8 weights.
-template <int64_t MR>
-void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
-               int64_t out_stride) {
+// NT adjacent tiles of 64 output rows (tile j at w + j * tile_bytes, its rows' scales at
+// row_scale + 64 j, its sums at out + j * tile_out) against MR rows of x (rows m0..m0+MR-1),
+// int8 weights. Two tiles at once for one row of x: two streams in flight, 8-12% faster from
+// memory here than one; each tile's sums are the same instructions in the same order.
+template <int64_t MR, int64_t NT>
+void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_bytes, const float* row_scale,
+                float* out, int64_t out_stride, int64_t tile_out) {
   const int64_t K = xi.K;
-  __m512 tot[MR][4];
-  for (int64_t m = 0; m < MR; ++m)
-    for (int r = 0; r < 4; ++r) tot[m][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < xi.blocks; ++b) {
-    __m512i ah[MR][4], al[MR][4];
+  __m512 tot[NT][MR][4];
+  for (int64_t j = 0; j < NT; ++j)
     for (int64_t m = 0; m < MR; ++m)
-      for (int r = 0; r < 4; ++r) ah[m][r] = al[m][r] = _mm512_setzero_si512();
+      for (int r = 0; r < 4; ++r) tot[j][m][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < xi.blocks; ++b) {
+    __m512i ah[NT][MR][4], al[NT][MR][4];
+    for (int64_t j = 0; j < NT; ++j)
+      for (int64_t m = 0; m < MR; ++m)
+        for (int r = 0; r < 4; ++r) ah[j][m][r] = al[j][m][r] = _mm512_setzero_si512();
     const int64_t k0 = b * xi.block;
     for (int64_t k = k0; k < k0 + xi.block; k += 4) {
-      const uint8_t* wk = w + k * kTileRows;  // 4 vectors of 64 bytes
-      prefetch_ahead(wk);
       __m512i bh[MR], bl[MR];
       for (int64_t m = 0; m < MR; ++m) {
         bh[m] = bcast4(&xi.hi[(m0 + m) * K + k]);
         bl[m] = bcast4(&xi.lo[(m0 + m) * K + k]);
       }
-      for (int r = 0; r < 4; ++r) {
-        const __m512i wv = _mm512_loadu_si512(wk + r * 64);
-        for (int64_t m = 0; m < MR; ++m) {
-          ah[m][r] = _mm512_dpbusd_epi32(ah[m][r], wv, bh[m]);
-          al[m][r] = _mm512_dpbusd_epi32(al[m][r], wv, bl[m]);
+      for (int64_t j = 0; j < NT; ++j) {
+        const uint8_t* wk = w + j * tile_bytes + k * kTileRows;  // 4 vectors of 64 bytes
+        prefetch_ahead(wk);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i wv = _mm512_loadu_si512(wk + r * 64);
+          for (int64_t m = 0; m < MR; ++m) {
+            ah[j][m][r] = _mm512_dpbusd_epi32(ah[j][m][r], wv, bh[m]);
+            al[j][m][r] = _mm512_dpbusd_epi32(al[j][m][r], wv, bl[m]);
+          }
         }
       }
     }
@@ -194,69 +202,80 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
       const int64_t mb = (m0 + m) * xi.blocks + b;
       const __m512i offset = _mm512_set1_epi32(128 * xi.sum[mb]);
       const __m512 xs = _mm512_set1_ps(xi.scale[mb]);
-      for (int r = 0; r < 4; ++r) {
-        const __m512i a = block_sum(ah[m][r], al[m][r], offset);
-        tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), xs, tot[m][r]);
-      }
+      for (int64_t j = 0; j < NT; ++j)
+        for (int r = 0; r < 4; ++r) {
+          const __m512i a = block_sum(ah[j][m][r], al[j][m][r], offset);
+          tot[j][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), xs, tot[j][m][r]);
+        }
     }
   }
-  for (int64_t m = 0; m < MR; ++m)
-    for (int r = 0; r < 4; ++r)
-      _mm512_storeu_ps(out + m * out_stride + r * 16, _mm512_mul_ps(tot[m][r], _mm512_loadu_ps(row_scale + r * 16)));
+  for (int64_t j = 0; j < NT; ++j)
+    for (int64_t m = 0; m < MR; ++m)
+      for (int r = 0; r < 4; ++r)
+        _mm512_storeu_ps(out + j * tile_out + m * out_stride + r * 16,
+                         _mm512_mul_ps(tot[j][m][r], _mm512_loadu_ps(row_scale + j * kTileRows + r * 16)));
 }
 
-// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero).
-template <int64_t MR>
-void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz, float* out,
-               int64_t out_stride) {
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero),
+// tile j's at sz + j * tile_sz.
+template <int64_t MR, int64_t NT>
+void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_bytes, const float* sz,
+                int64_t tile_sz, float* out, int64_t out_stride, int64_t tile_out) {
   const int64_t K = xi.K;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 tot[MR][4];
-  for (int64_t m = 0; m < MR; ++m)
-    for (int r = 0; r < 4; ++r) tot[m][r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < xi.blocks; ++g) {
-    __m512i ah[MR][4], al[MR][4];
+  __m512 tot[NT][MR][4];
+  for (int64_t j = 0; j < NT; ++j)
     for (int64_t m = 0; m < MR; ++m)
-      for (int r = 0; r < 4; ++r) ah[m][r] = al[m][r] = _mm512_setzero_si512();
+      for (int r = 0; r < 4; ++r) tot[j][m][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < xi.blocks; ++g) {
+    __m512i ah[NT][MR][4], al[NT][MR][4];
+    for (int64_t j = 0; j < NT; ++j)
+      for (int64_t m = 0; m < MR; ++m)
+        for (int r = 0; r < 4; ++r) ah[j][m][r] = al[j][m][r] = _mm512_setzero_si512();
     const int64_t k0 = g * xi.block;
     for (int64_t k = k0; k < k0 + xi.block; k += 8) {
-      const uint8_t* wk = w + k / 2 * kTileRows;  // 4 vectors of 64 bytes: 8 inputs of 64 rows
-      prefetch_ahead(wk);
       __m512i bh0[MR], bl0[MR], bh1[MR], bl1[MR];
       for (int64_t m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * K + k;
         bh0[m] = bcast4(&xi.hi[at]), bl0[m] = bcast4(&xi.lo[at]);
         bh1[m] = bcast4(&xi.hi[at + 4]), bl1[m] = bcast4(&xi.lo[at + 4]);
       }
-      for (int r = 0; r < 4; ++r) {
-        const __m512i wv = _mm512_loadu_si512(wk + r * 64);
-        const __m512i lo = _mm512_and_si512(wv, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
-        for (int64_t m = 0; m < MR; ++m) {
-          ah[m][r] = _mm512_dpbusd_epi32(ah[m][r], lo, bh0[m]);
-          al[m][r] = _mm512_dpbusd_epi32(al[m][r], lo, bl0[m]);
-          ah[m][r] = _mm512_dpbusd_epi32(ah[m][r], hi, bh1[m]);
-          al[m][r] = _mm512_dpbusd_epi32(al[m][r], hi, bl1[m]);
+      for (int64_t j = 0; j < NT; ++j) {
+        const uint8_t* wk = w + j * tile_bytes + k / 2 * kTileRows;  // 4 vectors of 64 bytes: 8 inputs of 64 rows
+        prefetch_ahead(wk);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i wv = _mm512_loadu_si512(wk + r * 64);
+          const __m512i lo = _mm512_and_si512(wv, nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
+          for (int64_t m = 0; m < MR; ++m) {
+            ah[j][m][r] = _mm512_dpbusd_epi32(ah[j][m][r], lo, bh0[m]);
+            al[j][m][r] = _mm512_dpbusd_epi32(al[j][m][r], lo, bl0[m]);
+            ah[j][m][r] = _mm512_dpbusd_epi32(ah[j][m][r], hi, bh1[m]);
+            al[j][m][r] = _mm512_dpbusd_epi32(al[j][m][r], hi, bl1[m]);
+          }
         }
       }
     }
-    const float* s = sz + g * 2 * kTileRows;
-    const float* z = s + kTileRows;
     for (int64_t m = 0; m < MR; ++m) {
       const int64_t mg = (m0 + m) * xi.blocks + g;
       const __m512i offset = _mm512_set1_epi32(8 * xi.sum[mg]);
       const __m512 xs = _mm512_set1_ps(xi.scale[mg]);
       const __m512 zx = _mm512_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
-      for (int r = 0; r < 4; ++r) {
-        const __m512i a = block_sum(ah[m][r], al[m][r], offset);
-        const __m512 sxs = _mm512_mul_ps(_mm512_loadu_ps(s + r * 16), xs);
-        tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sxs, tot[m][r]);
-        tot[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(z + r * 16), zx, tot[m][r]);
+      for (int64_t j = 0; j < NT; ++j) {
+        const float* s = sz + j * tile_sz + g * 2 * kTileRows;
+        const float* z = s + kTileRows;
+        for (int r = 0; r < 4; ++r) {
+          const __m512i a = block_sum(ah[j][m][r], al[j][m][r], offset);
+          const __m512 sxs = _mm512_mul_ps(_mm512_loadu_ps(s + r * 16), xs);
+          tot[j][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sxs, tot[j][m][r]);
+          tot[j][m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(z + r * 16), zx, tot[j][m][r]);
+        }
       }
     }
   }
-  for (int64_t m = 0; m < MR; ++m)
-    for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + m * out_stride + r * 16, tot[m][r]);
+  for (int64_t j = 0; j < NT; ++j)
+    for (int64_t m = 0; m < MR; ++m)
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + j * tile_out + m * out_stride + r * 16, tot[j][m][r]);
 }
 
 #elif defined(TRAVELATOR_VEC8)
@@ -271,6 +290,7 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
 // row comes out of both with the same bits.
 #define TRAVELATOR_QUANT_KERNEL 1
 constexpr int64_t kRowsPerTile = 4;  // rows of x a tile is read for at once
+constexpr bool kPairTiles = false;   // a tile at a time, whatever M
 constexpr int kVectors = 8;          // vectors of 8 output rows in a tile
 
 template <typename scalar_t>
@@ -468,34 +488,64 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
     }
   }
 }
+// One tile at a time here (kPairTiles is false).
+template <int64_t MR, int64_t NT>
+void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const float* row_scale, float* out,
+                int64_t out_stride, int64_t) {
+  static_assert(NT == 1);
+  tile_int8<MR>(xi, m0, w, row_scale, out, out_stride);
+}
+
+template <int64_t MR, int64_t NT>
+void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const float* sz, int64_t, float* out,
+                int64_t out_stride, int64_t) {
+  static_assert(NT == 1);
+  tile_int4<MR>(xi, m0, w, sz, out, out_stride);
+}
 #endif
 
 #if defined(TRAVELATOR_QUANT_KERNEL)
 // Every tile against every row of x, kRowsPerTile rows at a time (the tile stays in cache
-// between), then 2 and 1: tile(rows, t, m, out, stride) with rows a std::integral_constant.
+// between), then 2 and 1; for one row of x (kPairTiles), two tiles at a time:
+// tile(rows, tiles, t, m, out, stride, tile_out) with rows and tiles std::integral_constants,
+// tile t + j's sums at out + j * tile_out.
 template <typename scalar_t, typename TileFn>
 at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn tile) {
+  using one = std::integral_constant<int64_t, 1>;
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   auto* yp = y.data_ptr<scalar_t>();
+  const int64_t tile_out = M * kTileRows;
   at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out_rows(M * kTileRows);
+    std::vector<float> out_rows(2 * tile_out);
     float* out = out_rows.data();
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t m = 0;
-      for (; m + kRowsPerTile <= M; m += kRowsPerTile)
-        tile(std::integral_constant<int64_t, kRowsPerTile>{}, t, m, out + m * kTileRows, kTileRows);
-      if constexpr (kRowsPerTile > 2) {
-        if (m + 2 <= M) {
-          tile(std::integral_constant<int64_t, 2>{}, t, m, out + m * kTileRows, kTileRows);
-          m += 2;
+    for (int64_t t = begin; t < end;) {
+      int64_t tiles = 1;
+      if constexpr (kPairTiles) {
+        if (M == 1 && t + 1 < end) {
+          tile(one{}, std::integral_constant<int64_t, 2>{}, t, 0, out, kTileRows, tile_out);
+          tiles = 2;
         }
       }
-      if (m < M) tile(std::integral_constant<int64_t, 1>{}, t, m, out + m * kTileRows, kTileRows);
-      const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
-      for (int64_t mm = 0; mm < M; ++mm)
-        for (int64_t n = n0; n < n1; ++n) yp[mm * N + n] = static_cast<scalar_t>(out[mm * kTileRows + n - n0]);
+      if (tiles == 1) {
+        int64_t m = 0;
+        for (; m + kRowsPerTile <= M; m += kRowsPerTile)
+          tile(std::integral_constant<int64_t, kRowsPerTile>{}, one{}, t, m, out + m * kTileRows, kTileRows, tile_out);
+        if constexpr (kRowsPerTile > 2) {
+          if (m + 2 <= M) {
+            tile(std::integral_constant<int64_t, 2>{}, one{}, t, m, out + m * kTileRows, kTileRows, tile_out);
+            m += 2;
+          }
+        }
+        if (m < M) tile(one{}, one{}, t, m, out + m * kTileRows, kTileRows, tile_out);
+      }
+      for (int64_t j = 0; j < tiles; ++j, ++t) {
+        const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
+        const float* sums = out + j * tile_out;
+        for (int64_t mm = 0; mm < M; ++mm)
+          for (int64_t n = n0; n < n1; ++n) yp[mm * N + n] = static_cast<scalar_t>(sums[mm * kTileRows + n - n0]);
+      }
     }
   });
   return y;
@@ -522,8 +572,9 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, cons
   return with_float_type(x.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K_padded, kInt8Block);
-    return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, int64_t t, int64_t m, float* out, int64_t stride) {
-      tile_int8<rows()>(xi, m, w + t * tile_bytes, s + t * kTileRows, out, stride);
+    return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, auto tiles, int64_t t, int64_t m, float* out,
+                                                  int64_t stride, int64_t tile_out) {
+      tiles_int8<rows(), tiles()>(xi, m, w + t * tile_bytes, tile_bytes, s + t * kTileRows, out, stride, tile_out);
     });
   });
 }
@@ -546,8 +597,10 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   return with_float_type(x.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K, group);
-    return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, int64_t t, int64_t m, float* out, int64_t stride) {
-      tile_int4<rows()>(xi, m, w + t * tile_bytes, sz + t * tile_sz, out, stride);
+    return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, auto tiles, int64_t t, int64_t m, float* out,
+                                                  int64_t stride, int64_t tile_out) {
+      tiles_int4<rows(), tiles()>(xi, m, w + t * tile_bytes, tile_bytes, sz + t * tile_sz, tile_sz, out, stride,
+                                  tile_out);
     });
   });
 }
