@@ -24,6 +24,7 @@ from torch import nn
 from travelator.distributed.comm import TPGroup, check_divisible
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, PagedAttention
+from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
 from travelator.model.ops import TorchOps
 from travelator.model.quant import (GGUF_BLOCK, BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod,
@@ -148,6 +149,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(vocab, arch.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        # Steps the native layer stack covers run every layer in one call (model/layer_stack.py),
+        # with the same results; False keeps them on the Python layers (tests compare the two).
+        self.use_layer_stack = True
+        self._layer_stack: LayerStack | None = None  # gathered at the first forward: weights are final then
+        self._layer_stack_gathered = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -220,9 +226,19 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x, delta = self._embed(input_ids), None
+        stack = self._native_layer_stack()
+        if stack is not None and stack.covers(self.ops, x.shape[0], meta, kv_caches):
+            return stack(self.ops, x, positions, self.rope, kv_caches, meta)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, positions, self.rope, k_cache, v_cache, meta)
         return self.ops.add_rms_norm(x, delta, self.norm)[1]
+
+    def _native_layer_stack(self) -> LayerStack | None:
+        if not self.use_layer_stack:
+            return None
+        if not self._layer_stack_gathered:
+            self._layer_stack, self._layer_stack_gathered = LayerStack.of(self), True
+        return self._layer_stack
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

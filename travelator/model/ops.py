@@ -20,7 +20,9 @@ The model holds one of them for its whole life; ``make_ops`` picks it from the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,24 @@ INVARIANT_ROWS = 64
 DEQUANT_TILES = 32
 
 
+@dataclass(frozen=True, slots=True)
+class StreamingLinear:
+    """A linear layer as the native layer stack (model/layer_stack.py) calls it: the route of
+    ``csrc/layer_stack.cpp`` (0 bf16 small_m_linear, 1 int8, 2 int4), its tensors, and
+    whether it is quantized (which bounds its rows: ``NativeOps.streaming_rows``)."""
+
+    route: int
+    a: torch.Tensor
+    b: torch.Tensor | None
+    bias: torch.Tensor | None
+    group: int
+    out_features: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.route != 0
+
+
 class TorchOps:
     attention_backend: AttentionBackend = "torch"
     # Prefill tiles on the native path's tiled kernel (numbers depend on the chunking).
@@ -57,6 +77,16 @@ class TorchOps:
         if isinstance(weight, torch.Tensor):
             return F.linear(x, weight, bias)
         return _quantized_linear(x, weight, bias)
+
+    def streaming_linear(self, weight: torch.Tensor | QuantizedWeight,
+                         bias: torch.Tensor | None) -> StreamingLinear | None:
+        """How the native layer stack calls this layer (None: it cannot; torch never does)."""
+        return None
+
+    def streaming_rows(self, quantized: bool) -> int:
+        """The most rows of x for which ``linear`` takes the streaming kernel that
+        ``streaming_linear`` names (0: none)."""
+        return 0
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x)
@@ -159,6 +189,35 @@ class NativeOps(TorchOps):
             # A few rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
+
+    def streaming_linear(self, weight, bias):
+        if not isinstance(weight, torch.Tensor):
+            if not self._quant_kernel_built:
+                return None
+            if isinstance(weight, Int8Weight):
+                return StreamingLinear(1, weight.packed, weight.scales, bias, 0, weight.out_features)
+            return StreamingLinear(2, weight.packed, weight.scales_zeros, bias, weight.group_size, weight.out_features)
+        # As linear(): bf16 weights that are prepared and have no bias stream through small_m_linear.
+        prepared = weight in self._packed or weight in self._widened
+        if self._small_m_linear is None or bias is not None or not prepared or weight.dtype != torch.bfloat16:
+            return None
+        return StreamingLinear(0, weight, None, None, 0, weight.shape[0])
+
+    def streaming_rows(self, quantized):
+        if not quantized:
+            return self._small_m_rows
+        if not self._quant_kernel_built:
+            return 0
+        return sys.maxsize if self.batch_invariant else self.quant_kernel_rows
+
+    def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stack) -> torch.Tensor:
+        """Every decoder layer in one native call (``stack``: a model/layer_stack.LayerStack)."""
+        return self._ops.decoder_layers(
+            x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.query_start, meta.seq_lens,
+            meta.block_tables, stack.norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
+            stack.linear_tensors, stack.linear_ints, stack.num_heads, stack.num_kv_heads, stack.head_dim,
+            stack.eps, stack.scale, meta.tiled_prefill)
 
     def _widened_bias(self, bias: torch.Tensor) -> torch.Tensor:
         wide = self._widened_biases.get(bias)

@@ -1,0 +1,85 @@
+"""The native layer stack (csrc/layer_stack.cpp, model/layer_stack.py) against the Python
+layers it stands in for: the same kernels in the same order, so a generation gives the same
+tokens and the same logprobs, bit for bit, with the stack on and off. The Python layers are
+the reference (checked against transformers and llama.cpp elsewhere); each run also shows
+that the stack took the steps it covers and left the others (prefill chunks: more rows) to
+Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_models import build_checkpoint
+
+from travelator import LLM, SamplingParams, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+
+PROMPTS = [[1, 5, 9, 200, 33, 7], [1, 44, 3], [1, 8, 8, 8, 70, 71, 72, 73, 9]]
+
+
+def _generate(llm: LLM, use_stack: bool) -> tuple[list, int]:
+    """Tokens and logprobs of every prompt, and how many steps went through the stack."""
+    runner = llm.engine.runner
+    runner.model.use_layer_stack = use_stack
+    ops, calls = runner.ops, []
+    native = type(ops).decoder_layers
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return native(ops, *args)
+
+    ops.decoder_layers = counted
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+        results = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        del ops.decoder_layers
+    out = [(r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.outputs[0].logprobs]) for r in results]
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("dtype,quantization,kv", [
+    ("bfloat16", "none", "auto"),
+    ("bfloat16", "int8", "auto"),
+    ("bfloat16", "int4", "auto"),
+    ("float32", "int4", "auto"),
+    ("bfloat16", "int4", "int8"),
+])
+def test_the_layer_stack_gives_the_python_layers_bits(dtype, quantization, kv):
+    # Two seats: decode steps of one and two rows (bf16's small_m_linear takes 2 rows on
+    # AVX512-BF16, 4 on AVX2), prompts in steps of 3-9 rows that only int8/int4 stream.
+    llm = LLM("dummy:tiny", dtype=dtype, quantization=quantization, quantization_group_size=32,
+              kv_cache_dtype=kv, max_num_seqs=2, enable_prefix_caching=False)
+    python, none = _generate(llm, use_stack=False)
+    stacked, used = _generate(llm, use_stack=True)
+    assert none == 0 and used > 0
+    assert stacked == python
+
+
+def test_the_layer_stack_adds_a_quantized_layers_bias(tmp_path):
+    """Qwen2's QKV bias: added after the integer kernel, as the Python layer adds it. (The
+    checkpoint's biases are zeros, transformers' initialisation: they are made random here.)"""
+    path = build_checkpoint(tmp_path / "qwen2", "qwen2")
+    llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_num_seqs=2, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    for layer in llm.engine.runner.model.layers:
+        bias = layer.self_attn.qkv_bias
+        bias.copy_(torch.randn(bias.shape, generator=g).to(bias.dtype))
+    python, _ = _generate(llm, use_stack=False)
+    stacked, used = _generate(llm, use_stack=True)
+    assert used > 0 and stacked == python
+
+
+def test_steps_the_stack_does_not_cover_run_the_python_layers():
+    """A bf16 prompt (more rows than small_m_linear takes) never reaches the stack."""
+    llm = LLM("dummy:tiny", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
+    rows = llm.engine.runner.ops.streaming_rows(False)
+    assert rows >= 1
+    runner = llm.engine.runner
+    seen = []
+    native = type(runner.ops).decoder_layers
+    runner.ops.decoder_layers = lambda *a: seen.append(a[0].shape[0]) or native(runner.ops, *a)
+    llm.generate([[1] + list(range(3, 3 + 4 * rows))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert seen and max(seen) <= rows  # decodes only: the prompt's step ran in Python

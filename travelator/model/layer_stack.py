@@ -1,0 +1,79 @@
+"""Every decoder layer of a step in one native call, where every linear layer streams.
+
+A step of a few rows (a decode of one or a few requests) spends a fifth of its time, on a
+2-core CPU, in Python between the kernels: ~100 us per layer of module calls, views and
+``torch.ops`` argument parsing. ``csrc/layer_stack.cpp`` runs the same kernels in the same
+order from C++ (the same bits as the Python layers, which tests check), for steps where the
+Python path would send every linear layer to a streaming kernel: bf16 weights through
+``small_m_linear`` (no bias), int8/int4 through the integer kernel, at most
+``NativeOps.streaming_rows`` rows. Anything else (more rows, tensor parallelism, the torch
+kernels, attention's torch backend, a KV cache of another dtype) runs the Python layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from travelator.model.attention import AttentionMetadata
+from travelator.model.layers import RotaryEmbedding
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStack:
+    """The per-layer arguments of ``decoder_layers``, gathered once from a model."""
+
+    norms: list[torch.Tensor]  # per layer input and post-attention norm weights, then the final norm
+    linear_tensors: list[torch.Tensor | None]  # per linear layer (a, b, bias), see csrc/layer_stack.cpp
+    linear_ints: list[int]  # per linear layer (route, group, out_features)
+    quantized: frozenset[bool]  # which kinds of weights it holds (their row limits differ)
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+    @staticmethod
+    def of(model) -> LayerStack | None:
+        """The stack of a LlamaModel, or None where its layers cannot run natively."""
+        ops = model.ops
+        if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        norms, tensors, ints, kinds = [], [], [], set()
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms += [layer.input_norm.weight, layer.post_attn_norm.weight]
+            for weight, bias in ((attn.qkv_weight, attn.qkv_bias), (attn.o_weight, None),
+                                 (mlp.gate_up_weight, None), (mlp.down_weight, None)):
+                spec = ops.streaming_linear(weight, bias)
+                if spec is None or (not spec.quantized and model.dtype != torch.bfloat16):
+                    return None
+                tensors += [spec.a, spec.b, spec.bias]
+                ints += [spec.route, spec.group, spec.out_features]
+                kinds.add(spec.quantized)
+        norms.append(model.norm.weight)
+        first = model.layers[0].self_attn
+        return LayerStack(norms, tensors, ints, frozenset(kinds), model.dtype, first.num_heads,
+                          first.num_kv_heads, first.head_dim, model.layers[0].input_norm.eps, first.attn.scale)
+
+    def covers(self, ops, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether the Python layers would take the streaming kernels and native attention."""
+        if meta.backend != "native" or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
+            return False
+        return all(rows <= ops.streaming_rows(q) for q in self.quantized)
+
+    @staticmethod
+    def k_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        return [k for k, _ in kv_caches]
+
+    @staticmethod
+    def v_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        return [v for _, v in kv_caches]
+
+    def __call__(self, ops, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm of the residual stream after every layer (x: the embedded tokens,
+        updated in place), as LlamaModel.forward returns it."""
+        return ops.decoder_layers(x, positions, rope, meta, kv_caches, self)
