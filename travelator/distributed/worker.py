@@ -83,7 +83,7 @@ class Worker:
         inputs = r._prepare(out, out.draft_token_ids)  # speculative decoding is single-rank for now: none
         hidden = r.model(inputs.input_ids, inputs.positions, r.kv_caches, inputs.meta)
         if inputs.sampled_ids:  # this rank's vocabulary slice of the logits goes to the driver
-            r.model.compute_logits(hidden[inputs.logits_indices])
+            r.model.compute_logits(inputs.sampled_rows(hidden))
         r.compute_prompt_logprobs(hidden, inputs)  # the same gathers, in the same order
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:

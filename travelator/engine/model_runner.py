@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from travelator.distributed.comm import TPGroup
@@ -51,13 +50,18 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    # Rows of the flat batch whose logits are sampled; None: every row, in order (a step of
+    # decodes only), so no gather is needed.
+    logits_indices: torch.Tensor | None
     sampled_ids: list[str]  # request ids in logits_indices order (repeated: one per draft too)
     # Prompt logprobs: the rows whose logits predict a prompt token, those tokens, and per
     # request (id, index of its first predicted prompt token, count, top alternatives).
     prompt_rows: list[int]
     prompt_targets: list[int]
     prompt_spans: list[tuple[str, int, int, int]]
+
+    def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.logits_indices is None else hidden[self.logits_indices]
 
 
 class ModelRunner:
@@ -170,7 +174,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sampled_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(inputs.sampled_rows(hidden))
         prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs)
         t2 = time.perf_counter()
         self.phase_times["prepare"] += t1 - t0
@@ -308,8 +312,10 @@ class ModelRunner:
         ordered = [(rid, n) for rid, n in items if n == 1] + [(rid, n) for rid, n in items if n != 1]
 
         input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        # Plain lists, one tensor each at the end: per-request numpy arrays cost more than
+        # they save at a few tokens per request (decodes), and about the same for chunks.
+        positions: list[int] = []
+        slots: list[int] = []
         logits_indices: list[int] = []
         sampled_ids: list[str] = []
         prompt_rows: list[int] = []
@@ -327,10 +333,11 @@ class ModelRunner:
             assert end == len(s.token_ids) + len(drafts) if drafts else end <= len(s.token_ids), \
                 "scheduled past the known tokens"
             input_ids.extend(s.token_ids[start:end] + drafts)
-            pos = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(s.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, end))
+            blocks = s.block_ids
+            for b in range(start // bs, (end - 1) // bs + 1):  # position p goes to slot blocks[p // bs] * bs + p % bs
+                shift = (blocks[b] - b) * bs
+                slots.extend(range(shift + max(start, b * bs), shift + min(end, (b + 1) * bs)))
             query_lens.append(n)
             context_lens.append(start)
             tables.append(s.block_ids[: -(-end // bs)])
@@ -350,15 +357,15 @@ class ModelRunner:
             offset += n
 
         dev = self.device
-        meta = build_metadata(self.ops.attention_backend,
-                              torch.from_numpy(np.concatenate(slots)).to(dev),
+        meta = build_metadata(self.ops.attention_backend, torch.tensor(slots, dtype=torch.long, device=dev),
                               query_lens, context_lens, tables, bs, dev,
                               tiled_prefill=self.ops.tiled_prefill_attention)
+        every_row = len(logits_indices) == offset and logits_indices == list(range(offset))
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            logits_indices=None if every_row else torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampled_ids=sampled_ids,
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,

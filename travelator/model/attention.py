@@ -18,10 +18,10 @@ Two backends read the same metadata:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,27 +50,24 @@ def build_metadata(backend: AttentionBackend, slot_mapping: torch.Tensor, query_
                    context_lens: list[int], block_tables: list[list[int]], block_size: int,
                    device: torch.device, tiled_prefill: bool = False) -> AttentionMetadata:
     """The metadata of one flat batch, requests in batch order with decodes first; each
-    block table covers at least its request's context plus query."""
+    block table covers at least its request's context plus query. Built from lists with
+    one tensor call each: a batch-1 step's host work is mostly per-call costs."""
     width = max(len(t) for t in block_tables)
-    table = np.zeros((len(block_tables), width), dtype=np.int64)
-    for i, t in enumerate(block_tables):
-        table[i, : len(t)] = t
-    seq_lens = np.asarray(context_lens, dtype=np.int64) + np.asarray(query_lens, dtype=np.int64)
-    query_start = np.zeros(len(block_tables) + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start[1:])
+    table = [t + [0] * (width - len(t)) for t in block_tables]
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     decode_mask = None
     if backend == "torch" and num_decodes:
         decode_width = max(len(t) for t in block_tables[:num_decodes])
-        lens = torch.from_numpy(seq_lens[:num_decodes]).to(device)
+        lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=device)
         decode_mask = torch.arange(decode_width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
         decode_mask = decode_mask[:, None, None, :]
     return AttentionMetadata(
         backend=backend,
         slot_mapping=slot_mapping,
-        query_start=torch.from_numpy(query_start).to(device),
-        seq_lens=torch.from_numpy(seq_lens).to(device),
-        block_tables=torch.from_numpy(table).to(device),
+        query_start=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.long, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+        block_tables=torch.tensor(table, dtype=torch.long, device=device),
         num_decodes=num_decodes,
         query_lens=query_lens,
         context_lens=context_lens,

@@ -51,7 +51,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     params = batch.params
     b, vocab = logits.shape
     want_logprobs = any(p.logprobs is not None for p in params)
-    if (want_logprobs or not all(p.greedy for p in params) or any(p.uses_penalties for p in params)
+    all_greedy = all(p.greedy for p in params)
+    if (want_logprobs or not all_greedy or any(p.uses_penalties for p in params)
             or any(p.min_tokens for p in params)):
         logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -62,10 +63,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         logits = _block_eos_before_min_tokens(logits, batch)
 
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    if bool(greedy.all()):
+    if all_greedy:  # decided in Python: a tensor of flags and its .all() cost more than the argmax
         token_ids = argmax(logits)
     else:
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         scaled = logits / temps.unsqueeze(1)
         scaled = _apply_top_k_top_p_min_p(scaled, params)
