@@ -7,9 +7,14 @@ schedule, prepare, forward, sample), and the median time to read a buffer of the
 size with every thread (a float32 sum, which is memory-bound). Target: ratio <= 1.3.
 With several ``--quantization`` values, each runs in turn in this process (weights kept
 int8 / int4: fewer bytes to stream), and the last line gives their speed against the first.
+With ``--interleave`` every model is loaded first and their steps alternate (one step of
+each in turn), so that a slow minute of this machine slows all of them alike and the ratios
+hold; use it where every model's weights exceed the L3 cache (250M), since run alone a
+small model's weights may stay in cache between its steps.
 
     python benchmarks/batch1_decode.py --model dummy:llama-250m --dtype bfloat16
     python benchmarks/batch1_decode.py --model dummy:llama-250m --quantization none int8 int4
+    python benchmarks/batch1_decode.py --model dummy:llama-250m --quantization none int8 int4 --interleave
 
 With ``--llama-server BIN`` llama.cpp's server decodes one request on a model of the same shape
 (../shared/peers/make_random_llama.py, bf16 GGUF; Q8_0 / Q4_0 copies for int8 / int4), and
@@ -68,11 +73,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    ap.add_argument("--interleave", action="store_true",
+                    help="load every model first, then alternate their steps (see above)")
     ap.add_argument("--llama-server", help="a llama-server binary: its batch-1 decode too")
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="LLAMA_ARG_REPACK=0 (its Q8_0/Q4_0 repacking segfaulted on the AMX VM)")
     args = ap.parse_args()
-    steps = {q: measure(args, q) for q in args.quantization}
+    if args.interleave:
+        steps = measure_interleaved(args)
+    else:
+        steps = {q: measure(args, q) for q in args.quantization}
     base = args.quantization[0]
     if len(steps) > 1:
         print("batch-1 decode speed against " + base + ": "
@@ -140,19 +150,41 @@ def llama_one_request(args, gguf: str, port: int = 18437) -> float:
             srv.kill()
 
 
-def measure(args, quantization: str) -> float:
+def start_decoding(args, quantization: str):
+    """An engine with one request, its prompt prefilled: each later step decodes one token."""
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, kernels=args.kernels,
               enable_prefix_caching=False, quantization=quantization)
     engine = llm.engine
     engine.add_request([1] + list(range(3, 18)),
                        SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True))
     engine.step()  # the prefill
-    steps = []
+    return engine
+
+
+def decode_steps(args, engines: list) -> list[float]:
+    """Each engine's median step over ``args.steps`` steps, the engines taking turns."""
+    times = [[] for _ in engines]
     for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-    step = statistics.median(steps)
+        for engine, ts in zip(engines, times):
+            t0 = time.perf_counter()
+            engine.step()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
+
+
+def measure(args, quantization: str) -> float:
+    engine = start_decoding(args, quantization)
+    return report(args, quantization, decode_steps(args, [engine])[0], engine)
+
+
+def measure_interleaved(args) -> dict[str, float]:
+    engines = [start_decoding(args, q) for q in args.quantization]
+    return {q: report(args, q, step, engine)
+            for q, step, engine in zip(args.quantization, decode_steps(args, engines), engines)}
+
+
+def report(args, quantization: str, step: float, engine) -> float:
+    """Prints the step against the time to read the weights it streams; returns the step."""
     nbytes = weight_bytes_per_decode(engine.runner.model)
     stream = stream_seconds(nbytes, repeats=15)
     print(f"{args.model} {args.dtype} quantization={quantization} kernels={args.kernels}, "
