@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    ap.add_argument("--lm-head-quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="the LM head's weights in the int8 / int4 runs (auto: int8)")
     ap.add_argument("--interleave", action="store_true",
                     help="load every model first, then alternate their steps (see above)")
     ap.add_argument("--llama-server", help="a llama-server binary: its batch-1 decode too")
@@ -153,7 +155,8 @@ def llama_one_request(args, gguf: str, port: int = 18437) -> float:
 def start_decoding(args, quantization: str):
     """An engine with one request, its prompt prefilled: each later step decodes one token."""
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, kernels=args.kernels,
-              enable_prefix_caching=False, quantization=quantization)
+              enable_prefix_caching=False, quantization=quantization,
+              lm_head_quantization="auto" if quantization == "none" else args.lm_head_quantization)
     engine = llm.engine
     engine.add_request([1] + list(range(3, 18)),
                        SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True))
@@ -187,7 +190,8 @@ def report(args, quantization: str, step: float, engine) -> float:
     """Prints the step against the time to read the weights it streams; returns the step."""
     nbytes = weight_bytes_per_decode(engine.runner.model)
     stream = stream_seconds(nbytes, repeats=15)
-    print(f"{args.model} {args.dtype} quantization={quantization} kernels={args.kernels}, "
+    head = f" lm_head={args.lm_head_quantization}" if quantization != "none" else ""
+    print(f"{args.model} {args.dtype} quantization={quantization}{head} kernels={args.kernels}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}: batch-1 decode step "
           f"{step * 1e3:.1f} ms; reading the {nbytes / 1e6:.0f} MB of weights {stream * 1e3:.1f} ms "
           f"({nbytes / stream / 1e9:.1f} GB/s); ratio {step / stream:.2f} (target <= 1.3)", flush=True)

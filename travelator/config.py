@@ -23,6 +23,7 @@ KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 LoadFormat = Literal["auto", "dummy"]
 Kernels = Literal["auto", "native", "torch"]
 Quantization = Literal["auto", "none", "int8", "int4"]
+LmHeadQuantization = Literal["auto", "none", "int8", "int4"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,10 @@ class ModelConfig:
         "checkpoints stay as they are; none: everything dequantized")] = "auto"
     quantization_group_size: Annotated[int, Setting(
         "int4: inputs per group sharing a scale and a zero point (32, 64, 128 or 256)")] = 128
+    lm_head_quantization: Annotated[LmHeadQuantization, Setting(
+        "with quantization int8 or int4, the untied LM head's weights: auto: int8 (its error goes "
+        "straight into the logits); int4 (a quarter of bf16's bytes: the fastest batch-1 decode); "
+        "none: as loaded")] = "auto"
     batch_invariant: Annotated[bool, Setting(
         "a request's tokens and logprobs never depend on what else is in its step (linear "
         "layers in fixed tiles of rows; needs the native CPU kernels)")] = False
@@ -100,6 +105,9 @@ class ModelConfig:
         _check_choices(self)
         if self.quantization_group_size not in (32, 64, 128, 256):
             raise ValueError("quantization_group_size must be 32, 64, 128 or 256")
+        if self.lm_head_quantization != "auto" and self.quantization not in ("int8", "int4"):
+            raise ValueError("lm_head_quantization applies with quantization int8 or int4; "
+                             f"quantization is {self.quantization}")
 
 
 @dataclass(slots=True)

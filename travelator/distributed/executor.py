@@ -73,7 +73,8 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
                            max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids,
                            kernels=model.kernels, batch_invariant=model.batch_invariant,
                            grammars=grammars, draft=draft, quantization=model.quantization,
-                           quantization_group_size=model.quantization_group_size)
+                           quantization_group_size=model.quantization_group_size,
+                           lm_head_quantization=model.lm_head_quantization)
     check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
@@ -83,7 +84,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         raise SystemExit(0)
     spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
                       max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant,
-                      model.quantization, model.quantization_group_size)
+                      model.quantization, model.quantization_group_size, model.lm_head_quantization)
     return TPExecutor(spec, arch, weights, size, env, grammars)
 
 
@@ -174,6 +175,7 @@ class TPExecutor:
             max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
             kernels=spec.kernels, batch_invariant=spec.batch_invariant, grammars=self._grammars,
             tp=group, quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
+            lm_head_quantization=spec.lm_head_quantization,
         )
         self.worker = Worker(self.runner)
         if device.type == "cuda" and self._g.procs:

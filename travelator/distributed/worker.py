@@ -47,6 +47,7 @@ class WorkerSpec:
     batch_invariant: bool
     quantization: str = "auto"
     quantization_group_size: int = 128
+    lm_head_quantization: str = "auto"
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
@@ -142,6 +143,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
         max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
         kernels=spec.kernels, batch_invariant=spec.batch_invariant,
         tp=group, quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
+        lm_head_quantization=spec.lm_head_quantization,
     )
     worker = Worker(runner)
     while True:

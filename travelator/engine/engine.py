@@ -98,7 +98,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             # Keys change with anything that changes the KV: model, weights, dtypes.
             namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}|{mc.quantization}"
-                      f"|{mc.quantization_group_size}",
+                      f"|{mc.quantization_group_size}|{mc.lm_head_quantization}",
         )
         self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
         self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,

@@ -70,7 +70,8 @@ class ModelRunner:
                  eos_token_ids: frozenset[int] = frozenset(), tp: TPGroup | None = None,
                  kernels: str = "auto", batch_invariant: bool = False,
                  grammars: GrammarCompiler | None = None, draft: ModelSource | None = None,
-                 quantization: str = "auto", quantization_group_size: int = 128) -> None:
+                 quantization: str = "auto", quantization_group_size: int = 128,
+                 lm_head_quantization: str = "auto") -> None:
         self.arch = arch
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         # Structured outputs: masks for constrained rows (on the rank that samples).
@@ -89,7 +90,8 @@ class ModelRunner:
                              f"the device is {device}")
         model = LlamaModel(arch, dtype, max_positions=max_model_len, tp=tp, ops=self.ops,
                            quantization=method, group_size=quantization_group_size,
-                           keep_gguf_quants=quantization == "auto" and device.type == "cpu")
+                           keep_gguf_quants=quantization == "auto" and device.type == "cpu",
+                           lm_head_quantization=lm_head_quantization)
         if weights is None:
             model.init_dummy_weights(seed)
         else:

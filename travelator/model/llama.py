@@ -126,12 +126,13 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int,
                  tp: TPGroup | None = None, ops: TorchOps | None = None,
                  quantization: QuantMethod | None = None, group_size: int = 128,
-                 keep_gguf_quants: bool = True) -> None:
+                 keep_gguf_quants: bool = True, lm_head_quantization: str = "auto") -> None:
         super().__init__()
         self.ops = ops if ops is not None else TorchOps()
         # Weight-only quantization of the QUANTIZABLE layers: each is quantized as its rows
         # stream in, and its full-precision parameter (allocated, never written) is dropped.
         self.quantization, self.group_size = quantization, group_size
+        self.lm_head_quantization = lm_head_quantization  # auto (int8), none, int8 or int4
         self.keep_gguf_quants = keep_gguf_quants
         self._builders: dict[str, QuantizedBuilder] = {}
         self._int8_fallbacks: set[tuple[int, int]] = set()
@@ -165,21 +166,25 @@ class LlamaModel(nn.Module):
         return total + sum(w.nbytes for w in self.linear_weights() if not isinstance(w, torch.Tensor))
 
     def _quantizes(self, target: str) -> bool:
+        if target == "lm_head" and self.lm_head_quantization == "none":
+            return False
         return self.quantization is not None and target.endswith(QUANTIZABLE)
 
     def _method_for(self, target: str, shape: tuple[int, int]) -> QuantMethod:
         """int4 where the layer's shape allows it (its kernel's tiling), else int8, said once.
-        The LM head is int8 under int4 too: its error goes straight into the logits (llama.cpp's
-        Q4 mixes keep their output layer at 6 bits or more for the same reason)."""
+        The LM head is int8 under int4 too unless lm_head_quantization says otherwise: its error
+        goes straight into the logits (llama.cpp's Q4 mixes keep their output layer at 6 bits or
+        more for the same reason)."""
+        method = self.quantization
         if target == "lm_head":
-            return "int8"
-        if self.quantization == "int4" and not int4_shape_ok(*shape, self.group_size):
+            method = "int8" if self.lm_head_quantization == "auto" else self.lm_head_quantization
+        if method == "int4" and not int4_shape_ok(*shape, self.group_size):
             if shape not in self._int8_fallbacks:
                 self._int8_fallbacks.add(shape)
                 logger.warning("int4 needs the input size to be a multiple of the group size (%d): "
                                "layers of shape %s (like %s) are int8", self.group_size, shape, target)
             return "int8"
-        return self.quantization
+        return method
 
     def _builder_for(self, target: str, tensor, shape: tuple[int, int],
                      parts_written: dict[str, int]) -> QuantizedBuilder | None:
@@ -191,6 +196,8 @@ class LlamaModel(nn.Module):
         if builder is not None or not target.endswith(QUANTIZABLE):
             return builder
         if self.quantization is not None:
+            if not self._quantizes(target):  # an LM head kept as loaded
+                return None
             method, group = self._method_for(target, shape), self.group_size
         elif (isinstance(tensor, BlockQuantized) and self.keep_gguf_quants and self.tp_size == 1
                 and parts_written.get(target, 0) <= 1):
