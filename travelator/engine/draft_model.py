@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from travelator.model import kv_cache
-from travelator.model.attention import build_metadata
+from travelator.model.attention import build_metadata, slot_mapping
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource
 from travelator.model.ops import TorchOps
@@ -117,20 +116,18 @@ class DraftModel:
         for i in order:
             job, start, tokens = spans[i]
             end = start + len(tokens)
-            pos = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(job.block_ids, dtype=np.int64)
             input_ids.extend(tokens)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, end))
+            slots.extend(slot_mapping(job.block_ids, start, end, bs))
             query_lens.append(len(tokens))
             context_lens.append(start)
             tables.append(job.block_ids[: -(-end // bs)])
             last.append(len(input_ids) - 1)
         dev = self.device
-        meta = build_metadata(self.ops.attention_backend, torch.from_numpy(np.concatenate(slots)).to(dev),
+        meta = build_metadata(self.ops.attention_backend, torch.tensor(slots, dtype=torch.long, device=dev),
                               query_lens, context_lens, tables, bs, dev)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.from_numpy(np.concatenate(positions)).to(dev), self.kv_caches, meta)
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
         picks = self.ops.argmax(self.model.compute_logits(hidden[torch.tensor(last, device=dev)])).tolist()
         out = [0] * len(spans)
         for slot, i in enumerate(order):

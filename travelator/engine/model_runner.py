@@ -27,7 +27,7 @@ from travelator.engine.scheduler_output import (
 )
 from travelator.model import kv_cache
 from travelator.model.arch import ModelArch
-from travelator.model.attention import AttentionMetadata, build_metadata
+from travelator.model.attention import AttentionMetadata, build_metadata, slot_mapping
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.ops import make_ops
@@ -336,10 +336,7 @@ class ModelRunner:
                 "scheduled past the known tokens"
             input_ids.extend(s.token_ids[start:end] + drafts)
             positions.extend(range(start, end))
-            blocks = s.block_ids
-            for b in range(start // bs, (end - 1) // bs + 1):  # position p goes to slot blocks[p // bs] * bs + p % bs
-                shift = (blocks[b] - b) * bs
-                slots.extend(range(shift + max(start, b * bs), shift + min(end, (b + 1) * bs)))
+            slots.extend(slot_mapping(s.block_ids, start, end, bs))
             query_lens.append(n)
             context_lens.append(start)
             tables.append(s.block_ids[: -(-end // bs)])

@@ -46,6 +46,17 @@ class AttentionMetadata:
     tiled_prefill: bool = False
 
 
+def slot_mapping(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The cache slots of positions start .. end - 1 of a request whose blocks are
+    ``block_ids``: position p goes to slot block_ids[p // block_size] * block_size + p % block_size.
+    A range per block touched, not a number per position."""
+    slots: list[int] = []
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        shift = (block_ids[b] - b) * block_size
+        slots.extend(range(shift + max(start, b * block_size), shift + min(end, (b + 1) * block_size)))
+    return slots
+
+
 def build_metadata(backend: AttentionBackend, slot_mapping: torch.Tensor, query_lens: list[int],
                    context_lens: list[int], block_tables: list[list[int]], block_size: int,
                    device: torch.device, tiled_prefill: bool = False) -> AttentionMetadata:
