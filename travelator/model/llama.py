@@ -132,7 +132,9 @@ class LlamaModel(nn.Module):
         # Weight-only quantization of the QUANTIZABLE layers: each is quantized as its rows
         # stream in, and its full-precision parameter (allocated, never written) is dropped.
         self.quantization, self.group_size = quantization, group_size
-        self.lm_head_quantization = lm_head_quantization  # auto (int8), none, int8 or int4
+        # An untied LM head's method under quantization (None: kept as loaded); auto is int8.
+        self.lm_head_method: QuantMethod | None = {"auto": "int8", "none": None}.get(
+            lm_head_quantization, lm_head_quantization)
         self.keep_gguf_quants = keep_gguf_quants
         self._builders: dict[str, QuantizedBuilder] = {}
         self._int8_fallbacks: set[tuple[int, int]] = set()
@@ -166,7 +168,7 @@ class LlamaModel(nn.Module):
         return total + sum(w.nbytes for w in self.linear_weights() if not isinstance(w, torch.Tensor))
 
     def _quantizes(self, target: str) -> bool:
-        if target == "lm_head" and self.lm_head_quantization == "none":
+        if target == "lm_head" and self.lm_head_method is None:
             return False
         return self.quantization is not None and target.endswith(QUANTIZABLE)
 
@@ -175,9 +177,7 @@ class LlamaModel(nn.Module):
         The LM head is int8 under int4 too unless lm_head_quantization says otherwise: its error
         goes straight into the logits (llama.cpp's Q4 mixes keep their output layer at 6 bits or
         more for the same reason)."""
-        method = self.quantization
-        if target == "lm_head":
-            method = "int8" if self.lm_head_quantization == "auto" else self.lm_head_quantization
+        method = self.lm_head_method if target == "lm_head" else self.quantization
         if method == "int4" and not int4_shape_ok(*shape, self.group_size):
             if shape not in self._int8_fallbacks:
                 self._int8_fallbacks.add(shape)
