@@ -81,10 +81,8 @@ def main() -> None:
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="LLAMA_ARG_REPACK=0 (its Q8_0/Q4_0 repacking segfaulted on the AMX VM)")
     args = ap.parse_args()
-    if args.interleave:
-        steps = measure_interleaved(args)
-    else:
-        steps = {q: measure(args, q) for q in args.quantization}
+    groups = [args.quantization] if args.interleave else [[q] for q in args.quantization]
+    steps = {q: step for group in groups for q, step in measure(args, group).items()}
     base = args.quantization[0]
     if len(steps) > 1:
         print("batch-1 decode speed against " + base + ": "
@@ -175,15 +173,11 @@ def decode_steps(args, engines: list) -> list[float]:
     return [statistics.median(ts) for ts in times]
 
 
-def measure(args, quantization: str) -> float:
-    engine = start_decoding(args, quantization)
-    return report(args, quantization, decode_steps(args, [engine])[0], engine)
-
-
-def measure_interleaved(args) -> dict[str, float]:
-    engines = [start_decoding(args, q) for q in args.quantization]
+def measure(args, quantizations: list[str]) -> dict[str, float]:
+    """One engine per quantization, loaded together, their steps taking turns."""
+    engines = [start_decoding(args, q) for q in quantizations]
     return {q: report(args, q, step, engine)
-            for q, step, engine in zip(args.quantization, decode_steps(args, engines), engines)}
+            for q, step, engine in zip(quantizations, decode_steps(args, engines), engines)}
 
 
 def report(args, quantization: str, step: float, engine) -> float:
