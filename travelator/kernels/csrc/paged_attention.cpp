@@ -216,10 +216,22 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
 // rows held in registers while each V row is converted once for all of them.
 constexpr int64_t kKeyChunk = 256;
 
+// Ask for the lines of one cache row of `bytes` bytes at p (T0: into L1, else L2). The
+// kernels issue these one row at a time between their arithmetic: a burst of a whole
+// block's lines fills the line-fill buffers and stalls the core until it has arrived.
+template <int kHint>
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* end = static_cast<const char*>(p) + bytes;
+  for (const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(63));
+       line < end; line += 64)
+    _mm_prefetch(line, kHint == 0 ? _MM_HINT_T0 : _MM_HINT_T1);
+}
+
 #if defined(__AVX512BF16__)
 // Scores of one bf16 query row against 16 bf16 key rows (pairs of head_dim lanes).
 template <int64_t kChunks>
-inline __m512 dots16(const c10::BFloat16* qr, const c10::BFloat16* const* krows) {
+inline __m512 dots16(const c10::BFloat16* qr, const c10::BFloat16* const* krows,
+                     const c10::BFloat16* const* pf_l1 = nullptr, const c10::BFloat16* const* pf_l2 = nullptr) {
   constexpr int64_t kPairs = kChunks / 2;  // 32 bf16 a vector
   __m512bh qv[kPairs];
   for (int64_t c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
@@ -229,6 +241,10 @@ inline __m512 dots16(const c10::BFloat16* qr, const c10::BFloat16* const* krows)
     for (int64_t c = 1; c < kPairs; ++c)
       d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(krows[j] + 32 * c));
     dots[j] = d;
+    if (pf_l1 != nullptr) {
+      prefetch_row<0>(pf_l1[j], 32 * kChunks);
+      prefetch_row<1>(pf_l2[j], 32 * kChunks);
+    }
   }
   return transpose_sum16(dots);
 }
@@ -250,7 +266,7 @@ inline __m512 dots16(const scalar_t* qr, const float* kf) {
 
 // acc[r] += sum_j p[r][j] v_j for R rows and keys j of one group, in order.
 template <typename cache_t, int64_t kChunks, int64_t R>
-inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows) {
+inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows, const cache_t* const* pf_l1) {
   constexpr int64_t D = 16 * kChunks;
   __m512 a[R][kChunks];
   for (int64_t r = 0; r < R; ++r)
@@ -259,6 +275,7 @@ inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* c
     __m512 v[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) v[c] = load16(vrows[j] + 16 * c);
     const float vs = row_scale(vrows[j], D);
+    if (pf_l1 != nullptr) prefetch_row<0>(pf_l1[j], row_width<cache_t>(D) * static_cast<int64_t>(sizeof(cache_t)));
     for (int64_t r = 0; r < R; ++r) {
       const __m512 pr = _mm512_set1_ps(std::is_same_v<cache_t, int8_t> ? p[r * kKeyChunk + j] * vs : p[r * kKeyChunk + j]);
       for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
@@ -269,11 +286,12 @@ inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* c
 }
 
 template <typename cache_t, int64_t kChunks, int64_t R = 16 / kChunks>
-inline void pv_any_rows(int64_t rows, float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows) {
+inline void pv_any_rows(int64_t rows, float* acc, const float* p, int64_t n_keys, const cache_t* const* vrows,
+                        const cache_t* const* pf_l1) {
   if constexpr (R > 1) {
-    if (rows < R) return pv_any_rows<cache_t, kChunks, R - 1>(rows, acc, p, n_keys, vrows);
+    if (rows < R) return pv_any_rows<cache_t, kChunks, R - 1>(rows, acc, p, n_keys, vrows, pf_l1);
   }
-  pv_rows<cache_t, kChunks, R>(acc, p, n_keys, vrows);
+  pv_rows<cache_t, kChunks, R>(acc, p, n_keys, vrows, pf_l1);
 }
 
 // Ask for the rows of 16 keys (`key_bytes` from each: the item's KV heads, contiguous in a block).
@@ -320,7 +338,6 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   // The item's heads of a key: its part of the key's row in a block.
   const int64_t key_bytes = (w.end_head - w.first_head) * kRow * static_cast<int64_t>(sizeof(cache_t));
   const cache_t* k_heads = k_cache + w.first_head * kRow;
-  const cache_t* v_heads = v_cache + w.first_head * kRow;
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<float> m(all_rows, -std::numeric_limits<float>::infinity()), l(all_rows, 0.0f);
@@ -344,13 +361,21 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
     // every row that sees at least one of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
-      prefetch_keys(k_heads, &key_offset[g0 + 16], key_bytes, 0);
-      prefetch_keys(v_heads, &key_offset[g0], key_bytes, 1);  // for step (3)
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
-        const cache_t* krows[16];
-        for (int64_t j = 0; j < 16; ++j) krows[j] = k_cache + key_offset[g0 + j] + h * kRow;
+        // This head's rows of the group, of the next group (to ask for) and its V rows
+        // (for step (3), into L2).
+        const cache_t *krows[16], *k_next[16], *v_rows[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          krows[j] = k_cache + key_offset[g0 + j] + h * kRow;
+          k_next[j] = k_cache + key_offset[g0 + 16 + j] + h * kRow;
+          v_rows[j] = v_cache + key_offset[g0 + j] + h * kRow;
+        }
+        bool asked = false;
         if constexpr (!kPairDots) {
+          asked = true;
           for (int64_t j = 0; j < 16; ++j) {
+            prefetch_row<0>(k_next[j], kRow * static_cast<int64_t>(sizeof(cache_t)));
+            prefetch_row<1>(v_rows[j], kRow * static_cast<int64_t>(sizeof(cache_t)));
             const __m512 ks = _mm512_set1_ps(row_scale(krows[j], D));
             for (int64_t c = 0; c < kChunks; ++c) {
               const __m512 kv = load16(krows[j] + 16 * c);
@@ -361,7 +386,10 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
         for (int64_t row = 0; row < rows; ++row) {
           if (!sees(row, chunk0 + g0)) continue;
           __m512 sv;
-          if constexpr (kPairDots) sv = dots16<kChunks>(q_row(h, row), krows);
+          if constexpr (kPairDots) {
+            sv = asked ? dots16<kChunks>(q_row(h, row), krows) : dots16<kChunks>(q_row(h, row), krows, k_next, v_rows);
+            asked = true;
+          }
           else sv = dots16<scalar_t, kChunks>(q_row(h, row), kf.data());
           _mm512_storeu_ps(&s[(h * rows + row) * kKeyChunk + g0], _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
         }
@@ -402,17 +430,19 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     // (3) acc += p.V, 16 keys at a time, a few rows at a time, each V row converted once
     // for all of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
-      prefetch_keys(v_heads, &key_offset[g0 + 16], key_bytes, 0);
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
-        const cache_t* vrows[16];
-        for (int64_t j = 0; j < 16; ++j) vrows[j] = v_cache + key_offset[g0 + j] + h * kRow;
+        const cache_t *vrows[16], *v_next[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          vrows[j] = v_cache + key_offset[g0 + j] + h * kRow;
+          v_next[j] = v_cache + key_offset[g0 + 16 + j] + h * kRow;
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBatch) {
           const int64_t nr = std::min(kRowBatch, rows - r0);
           // Keys of this group seen by the batch's last (latest) row.
           const int64_t keys = std::min<int64_t>(16, first_pos + (r0 + nr - 1) / group + 1 - (chunk0 + g0));
           if (keys <= 0) continue;
           pv_any_rows<cache_t, kChunks>(nr, &acc[(h * rows + r0) * D], &s[(h * rows + r0) * kKeyChunk + g0],
-                                        std::min(keys, chunk_keys - g0), vrows);
+                                        std::min(keys, chunk_keys - g0), vrows, r0 == 0 ? v_next : nullptr);
         }
       }
     }
