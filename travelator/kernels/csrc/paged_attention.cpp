@@ -216,7 +216,8 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
 // rows held in registers while each V row is converted once for all of them.
 constexpr int64_t kKeyChunk = 256;
 
-// Ask for the lines of one cache row of `bytes` bytes at p (T0: into L1, else L2). The
+// Ask for the lines of one cache row of `bytes` bytes at p (T0: into L1, else L2), from the
+// line it starts in (int8 rows of head_dim + 4 bytes are not line-aligned). The
 // kernels issue these one row at a time between their arithmetic: a burst of a whole
 // block's lines fills the line-fill buffers and stalls the core until it has arrived.
 template <int kHint>
@@ -294,19 +295,13 @@ inline void pv_any_rows(int64_t rows, float* acc, const float* p, int64_t n_keys
   pv_rows<cache_t, kChunks, R>(acc, p, n_keys, vrows, pf_l1);
 }
 
-// Ask for the rows of 16 keys (`key_bytes` from each: the item's KV heads, contiguous in a block).
+// Ask for the rows of 16 keys into L1 (`key_bytes` from each: the item's KV heads,
+// contiguous in a block): the one burst of a chunk, for its first group.
 template <typename cache_t>
-inline void prefetch_keys(const cache_t* cache, const int64_t* key_offset, int64_t key_bytes, int hint) {
+inline void prefetch_keys(const cache_t* cache, const int64_t* key_offset, int64_t key_bytes) {
   for (int64_t j = 0; j < 16; ++j) {
     if (j > 0 && key_offset[j] == key_offset[j - 1]) continue;  // padding repeats a key
-    // From the line the rows start in (int8 rows of head_dim + 4 bytes are not line-aligned).
-    const char* row = reinterpret_cast<const char*>(cache + key_offset[j]);
-    const char* end = row + key_bytes;
-    row = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~static_cast<uintptr_t>(63));
-    for (; row < end; row += 64) {
-      if (hint == 0) _mm_prefetch(row, _MM_HINT_T0);
-      else _mm_prefetch(row, _MM_HINT_T1);
-    }
+    prefetch_row<0>(cache + key_offset[j], key_bytes);
   }
 }
 
@@ -357,7 +352,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       const int64_t pos = chunk0 + std::min(j, chunk_keys - 1);
       key_offset[j] = (table[pos / bs] * bs + pos % bs) * key_stride;
     }
-    prefetch_keys(k_heads, key_offset.data(), key_bytes, 0);
+    prefetch_keys(k_heads, key_offset.data(), key_bytes);
     // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
     // every row that sees at least one of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
@@ -370,9 +365,10 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
           k_next[j] = k_cache + key_offset[g0 + 16 + j] + h * kRow;
           v_rows[j] = v_cache + key_offset[g0 + j] + h * kRow;
         }
-        bool asked = false;
+        // Each group's rows are asked for once: while its K is widened, or with the first
+        // row's scores.
+        bool asked = !kPairDots;
         if constexpr (!kPairDots) {
-          asked = true;
           for (int64_t j = 0; j < 16; ++j) {
             prefetch_row<0>(k_next[j], kRow * static_cast<int64_t>(sizeof(cache_t)));
             prefetch_row<1>(v_rows[j], kRow * static_cast<int64_t>(sizeof(cache_t)));
