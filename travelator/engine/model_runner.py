@@ -28,6 +28,7 @@ from travelator.engine.scheduler_output import (
 from travelator.model import kv_cache
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata, slot_mapping
+from travelator.model.host_memory import retain_freed_memory
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.ops import make_ops
@@ -73,6 +74,9 @@ class ModelRunner:
                  quantization: str = "auto", quantization_group_size: int = 128,
                  lm_head_quantization: str = "auto") -> None:
         self.arch = arch
+        if device.type == "cpu":
+            # Each step's activations would otherwise page-fault anew (model/host_memory.py).
+            retain_freed_memory()
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         # Structured outputs: masks for constrained rows (on the rank that samples).
         self.grammar = GrammarMasks(grammars, self.ops) if grammars is not None else None
