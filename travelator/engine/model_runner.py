@@ -74,9 +74,6 @@ class ModelRunner:
                  quantization: str = "auto", quantization_group_size: int = 128,
                  lm_head_quantization: str = "auto") -> None:
         self.arch = arch
-        if device.type == "cpu":
-            # Each step's activations would otherwise page-fault anew (model/host_memory.py).
-            retain_freed_memory()
         self.ops = make_ops(kernels, device, batch_invariant=batch_invariant)
         # Structured outputs: masks for constrained rows (on the rank that samples).
         self.grammar = GrammarMasks(grammars, self.ops) if grammars is not None else None
@@ -112,6 +109,10 @@ class ModelRunner:
         # Seconds spent per phase, summed over the run (on CUDA, kernels are asynchronous:
         # forward time then shows up where the host first waits, in "sample").
         self.phase_times: dict[str, float] = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
+        if device.type == "cpu":
+            # Each step's activations would otherwise page-fault anew (model/host_memory.py);
+            # after loading, so that the loader's freed buffers are not kept.
+            retain_freed_memory()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch

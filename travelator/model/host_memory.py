@@ -1,17 +1,18 @@
 """Host memory that stays with the process from one step to the next.
 
 glibc's malloc gives large blocks back to the kernel as soon as they are freed: a block over
-its mmap threshold (128 KiB at first, raised as such blocks are freed) is unmapped, and the
-heap's free top is trimmed once it passes the trim threshold (twice the mmap threshold). A
-step allocates and frees its activations anew each time (a 2,048-token prefill of the 250M
-model makes a 23 MB gate/up output), so the next step touched fresh pages again: 400,000 to
-630,000 page faults in one run of workload W at 250M, a tenth of its time on a 2-core VM
-(docs/benchmarks.md). With blocks of up to 32 MiB taken from the heap and the heap never
-trimmed, the pages of one step are there for the next.
+its mmap threshold (128 KiB at first, raised up to 32 MiB as such blocks are freed) is
+unmapped, the main heap's free top is trimmed once it passes the trim threshold, and a
+thread's own arena unmaps its sub-heaps when they empty. A step allocates and frees its
+activations anew each time (a 2,048-token prefill of the 250M model makes a 23 MB gate/up
+output), so the next step would touch fresh pages again: 230,000 to 850,000 page faults in one
+run of workload W at 250M, a tenth of its time on a 2-core VM (docs/benchmarks.md). With
+blocks of up to 1 GiB taken from the heap, the heap trimmed only past 2 GiB of free top, and
+every thread on the main heap (the server steps on its own thread), the pages of one step are
+there for the next.
 
-The cost is that the process keeps the largest heap it ever had; a step's activations are
-bounded by the token budget, so that is bounded too. Blocks over 32 MiB (glibc's limit for
-the threshold on 64-bit machines) are still mapped and unmapped each time.
+The cost is that the process keeps the largest heap it has had since the call: the runner
+makes it once its weights are loaded, so that is a step's activations and the KV cache.
 """
 
 from __future__ import annotations
@@ -26,22 +27,30 @@ log = logging.getLogger(__name__)
 # mallopt's parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-# The largest mmap threshold glibc accepts on 64-bit machines (HEAP_MAX_SIZE / 2).
-LARGEST_MMAP_THRESHOLD = 32 << 20
-# mallopt takes an int: the largest trim threshold it can be given, which never trims here.
-NEVER_TRIM = (1 << 31) - 1
+M_ARENA_MAX = -8
+# Blocks up to this size come from the heap: any step's activations on this engine's models.
+HEAP_BLOCKS_UP_TO = 1 << 30
+# glibc's ceiling for its own dynamic threshold on 64-bit machines: for a glibc that refuses more.
+DYNAMIC_THRESHOLD_CEILING = 32 << 20
+# The largest trim threshold mallopt's int takes: the heap's top is trimmed past 2 GiB free only.
+TRIM_PAST = (1 << 31) - 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def retain_freed_memory() -> bool:
     """Keep freed host memory in the process (once per process). Returns whether the C
-    library took it: glibc only; elsewhere the allocator is left as it is."""
+    library took every setting: glibc only; elsewhere the allocator is left as it is."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    taken = (mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD) == 1
-             and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1)
-    if not taken:
-        log.warning("glibc refused the malloc settings that keep freed memory; steps may page-fault")
-    return taken
+    # Threads started from now on share the main heap, where the trim threshold holds (a
+    # thread's own arena gives back its sub-heaps whatever the threshold).
+    one_heap = mallopt(M_ARENA_MAX, 1) == 1
+    from_heap = (mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO) == 1
+                 or mallopt(M_MMAP_THRESHOLD, DYNAMIC_THRESHOLD_CEILING) == 1)
+    kept = mallopt(M_TRIM_THRESHOLD, TRIM_PAST) == 1
+    if not (one_heap and from_heap and kept):
+        log.warning("glibc refused some of the malloc settings that keep freed memory (one heap %s, "
+                    "blocks from the heap %s, no trimming %s); steps may page-fault", one_heap, from_heap, kept)
+    return one_heap and from_heap and kept
