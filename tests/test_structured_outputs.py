@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import openai
@@ -179,7 +180,7 @@ def test_server_response_format_and_structured_outputs():
                                            response_format={"type": "xml"})
 
 
-def test_grammar_compile_time_limit_and_shared_templates():
+def test_grammar_compile_time_limit_and_shared_templates(monkeypatch):
     llm = LLM(str(STORIES), dtype="float32")
     # Matchers of one grammar are copies of one compiled template, each with its own state.
     structured = StructuredOutput(choice=("cat", "dog"))
@@ -190,8 +191,16 @@ def test_grammar_compile_time_limit_and_shared_templates():
     assert a.consume_token(first_allowed)
     assert a.compute_bitmask() != start and b.compute_bitmask() == start
     # A constraint that takes longer to compile than the server allows is a 400 for that
-    # request alone; the server goes on.
-    settings = ServerSettings(served_model_names=["stories"], grammar_compile_timeout_s=1e-6)
+    # request alone; the server goes on. The compile is made slow: a regex this small compiles
+    # on a fast machine before the event loop sees even a 1 us limit pass.
+    compile_grammar = llm.engine.grammars.compile
+
+    def slow_compile(structured):
+        time.sleep(0.5)
+        return compile_grammar(structured)
+
+    monkeypatch.setattr(llm.engine.grammars, "compile", slow_compile)
+    settings = ServerSettings(served_model_names=["stories"], grammar_compile_timeout_s=0.05)
     app = build_app(AsyncEngine(llm.engine), settings)
     with serve_in_thread(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)

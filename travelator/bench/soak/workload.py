@@ -97,7 +97,9 @@ class Workload:
                 text = rng.choice(self.short)
                 body["prompt"] = text
                 n_prompt, prompts = self.prompt_tokens[text], 1
-        max_tokens, ignore_eos = (rng.randint(1, 8), False) if burst else self._max_tokens(rng, n_prompt, long)
+        # A burst's requests hold their seats for a while (16-32 tokens each): short ones could
+        # be served as fast as a fast machine sends them, and never fill the waiting queue.
+        max_tokens, ignore_eos = (rng.randint(16, 32), True) if burst else self._max_tokens(rng, n_prompt, long)
         body["max_tokens"] = max_tokens
         if ignore_eos:
             body["ignore_eos"] = True
