@@ -50,7 +50,8 @@ def retain_freed_memory() -> bool:
     from_heap = (mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO) == 1
                  or mallopt(M_MMAP_THRESHOLD, DYNAMIC_THRESHOLD_CEILING) == 1)
     kept = mallopt(M_TRIM_THRESHOLD, TRIM_PAST) == 1
-    if not (one_heap and from_heap and kept):
+    taken = one_heap and from_heap and kept
+    if not taken:
         log.warning("glibc refused some of the malloc settings that keep freed memory (one heap %s, "
                     "blocks from the heap %s, no trimming %s); steps may page-fault", one_heap, from_heap, kept)
-    return one_heap and from_heap and kept
+    return taken
