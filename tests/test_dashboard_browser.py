@@ -99,8 +99,11 @@ def test_the_live_view_in_a_browser(tmp_path):
             wait_for(driver, lambda f: f["waiting"] == "2" and f["seats-busy"] == "2" and int(f["bands"]) >= 8)
             # The same moment: the page read between two reads of /metrics. The KV in use grows
             # by a block every 8 tokens, so the page's figure lies between the two (less a
-            # block or two per request: it shows a step up to a batch, 50 ms, old).
+            # block or two per request). The page shows a step up to a batch, 50 ms, old: it is
+            # read 0.2 s after the first /metrics, so that what it shows is not older than that
+            # read (at a token a millisecond, 50 ms are 12 blocks).
             before = metrics(url)
+            time.sleep(0.2)
             page = shown(driver)
             server = metrics(url)
             assert page["seats-total"] == "2" and page["seats-busy"] == "2" and page["waiting"] == "2"
