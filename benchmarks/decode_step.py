@@ -6,6 +6,11 @@ each have about 256 tokens of context. Target: (b) costs at most 1.5x (a).
 Medians of repeated steps; whole engine steps (schedule, prepare, forward, sample,
 update), so engine overhead is included in both.
 
+(a) computes the logits of its prompt's last token only, as every prefill does; (b)
+computes 64 rows of logits. So a third step, (c) 64 one-token prompts in one step, is
+also timed: the same 64 rows of logits, samples and outputs as (b), and nothing to
+attend to but each token itself. (b) / (c) is then the cost of the context alone.
+
     python benchmarks/decode_step.py --model dummy:llama-250m --dtype bfloat16
     python benchmarks/decode_step.py --model dummy:llama-50m --kv-cache-dtype int8
 """
@@ -64,12 +69,20 @@ def main() -> None:
         engine.step()
     decode = [timed_step(engine) for _ in range(args.repeats)]
     engine.abort_request(ids)
+    # (c) `batch` one-token prompts in one step (after (b): a one-token prompt counts as a
+    # decode in the step's statistics, which (b) waits on).
+    singles = []
+    for _ in range(args.repeats):
+        for _ in range(args.batch):
+            engine.add_request([rng.randrange(3, vocab)], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        singles.append(timed_step(engine))
 
-    a, b = statistics.median(bare), statistics.median(decode)
+    a, b, c = statistics.median(bare), statistics.median(decode), statistics.median(singles)
     print(f"{args.model} {args.dtype} kernels={args.kernels} batch_invariant={args.batch_invariant} "
           f"kv_cache_dtype={args.kv_cache_dtype}: bare forward of {args.batch} tokens {a * 1e3:.1f} ms; "
           f"decode step of {args.batch} requests x ~{args.context} context {b * 1e3:.1f} ms; "
-          f"ratio {b / a:.2f} (target <= 1.5)")
+          f"ratio {b / a:.2f} (target <= 1.5); {args.batch} one-token prompts {c * 1e3:.1f} ms, "
+          f"decode step / that {b / c:.2f}")
 
 
 if __name__ == "__main__":

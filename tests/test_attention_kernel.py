@@ -18,19 +18,21 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels 
 def make_cache(num_blocks, block_size, kvh, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, kvh, d)
-    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    # As the cache lays them out (model/kv_cache.py): [blocks, kv heads, block_size, row].
+    return (torch.randn(shape, generator=g).to(dtype).transpose(1, 2).contiguous() for _ in range(2))
 
 
 def reference(q, k_cache, v_cache, requests, scale):
     """Dense float64 attention per request: query at position p sees keys 0..p."""
-    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    kvh, bs = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     out, row = [], 0
     for context, n, table in requests:
         total = context + n
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total)])
-        keys = k_cache.view(-1, kvh, k_cache.shape[-1])[slots].double().repeat_interleave(group, 1)
-        vals = v_cache.view(-1, kvh, v_cache.shape[-1])[slots].double().repeat_interleave(group, 1)
+        # Position p's rows: block table[p // bs], every head, place p % bs in the block.
+        keys = torch.stack([k_cache[table[p // bs], :, p % bs] for p in range(total)])
+        vals = torch.stack([v_cache[table[p // bs], :, p % bs] for p in range(total)])
+        keys, vals = (x.double().repeat_interleave(group, 1) for x in (keys, vals))
         qr = q[row : row + n].double()
         scores = torch.einsum("nhd,khd->hnk", qr, keys) * scale
         pos = torch.arange(context, total).unsqueeze(1)
@@ -62,7 +64,7 @@ def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):
 
 def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False):
     attn = PagedAttention(heads, kvh, d)
-    meta = metadata(reqs, backend, k_cache.shape[1])
+    meta = metadata(reqs, backend, k_cache.shape[2])
     meta.tiled_prefill = tiled
     # The cache already holds every key: only read it (an empty write).
     k_new = torch.empty(0, kvh, d, dtype=q.dtype)
@@ -193,11 +195,11 @@ def test_rows_do_not_depend_on_the_block_size(dtype, d):
     for bs in (4, 8, 16):
         num_blocks = 40
         table = random.Random(bs).sample(range(num_blocks), -(-n_keys // bs))
-        k_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)  # stale numbers around
-        v_cache = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+        k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(dtype)  # stale numbers around
+        v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(dtype)
         for p in range(n_keys):
-            k_cache[table[p // bs], p % bs] = keys[p]
-            v_cache[table[p // bs], p % bs] = vals[p]
+            k_cache[table[p // bs], :, p % bs] = keys[p]
+            v_cache[table[p // bs], :, p % bs] = vals[p]
         # A prompt of 70 queries at context 0 and a decode at 74 keys: every chunk boundary.
         prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d)
         decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d)

@@ -56,20 +56,23 @@ def test_rope(dtype, head_dim):
     torch.testing.assert_close(k, want_k, **TOL[dtype])
 
 
-def test_write_kv_is_index_copy():
-    """The native KV write puts each token's heads where index_copy_ puts them, reading k
-    and v as row-strided views of one fused QKV tensor (as the model hands them over)."""
+def test_write_kv_puts_each_head_in_its_slot():
+    """The native KV write puts token t's head h at [slot // bs, h, slot % bs] (the layout of
+    model/kv_cache.py), reading k and v as row-strided views of one fused QKV tensor (as the
+    model hands them over)."""
     g = torch.Generator().manual_seed(4)
     tokens, kvh, d, blocks, bs = 37, 4, 64, 20, 16
     qkv = torch.randn(tokens, (8 + 2 * kvh) * d, generator=g).bfloat16()
     k = qkv[:, 8 * d:(8 + kvh) * d].view(tokens, kvh, d)
     v = qkv[:, (8 + kvh) * d:].view(tokens, kvh, d)
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
-    k_cache, v_cache = torch.randn(2, blocks, bs, kvh, d, generator=g).bfloat16().unbind(0)
+    k_cache, v_cache = torch.randn(2, blocks, kvh, bs, d, generator=g).bfloat16().unbind(0)
     k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    want_k.view(-1, kvh, d).index_copy_(0, slots, k)
-    want_v.view(-1, kvh, d).index_copy_(0, slots, v)
+    for t, slot in enumerate(slots.tolist()):
+        for h in range(kvh):
+            want_k[slot // bs, h, slot % bs] = k[t, h]
+            want_v[slot // bs, h, slot % bs] = v[t, h]
     ops.write_kv_(k_cache, v_cache, slots, k, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     with pytest.raises(RuntimeError, match="out of range"):

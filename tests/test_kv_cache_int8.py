@@ -41,7 +41,7 @@ def test_pool_holds_more_tokens_in_the_same_bytes():
         llm = LLM("dummy:tiny", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_bytes=1 << 20, max_model_len=256)
         k = llm.engine.runner.kv_caches[0][0]
         blocks[kv_dtype] = k.shape[0]
-    assert k.dtype == torch.int8 and k.shape[1:] == (16, 2, 32 + 4)  # tiny: 2 KV heads of 32
+    assert k.dtype == torch.int8 and k.shape[1:] == (2, 16, 32 + 4)  # tiny: 2 KV heads of 32, blocks of 16
     # Per token and layer: 2 x 2 heads x 32 x 2 bytes in bf16, 2 x 2 x 36 bytes in int8.
     assert blocks == {"bfloat16": (1 << 20) // (16 * 2 * 2 * 2 * 64), "int8": (1 << 20) // (16 * 2 * 2 * 2 * 36)}
 
@@ -64,8 +64,9 @@ def test_native_write_stores_the_torch_bytes(dtype, d):
     k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
     torch.ops.travelator.write_kv_(k_cache, v_cache, slots, k, v)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    want_k.view(-1, kvh, d + 4).index_copy_(0, slots, kv_cache.quantize_rows(k))
-    want_v.view(-1, kvh, d + 4).index_copy_(0, slots, kv_cache.quantize_rows(v))
+    for t, slot in enumerate(slots.tolist()):  # block slot // 16, every head, place slot % 16
+        want_k[slot // 16, :, slot % 16] = kv_cache.quantize_rows(k[t])
+        want_v[slot // 16, :, slot % 16] = kv_cache.quantize_rows(v[t])
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
@@ -74,7 +75,8 @@ def int8_caches(num_blocks, block_size, kvh, d, seed):
     # A few large values per row, as real keys have: each row's own scale absorbs them.
     keys = torch.randn(num_blocks, block_size, kvh, d, generator=g) * (1 + 4 * (torch.rand(d, generator=g) > 0.9))
     values = torch.randn(num_blocks, block_size, kvh, d, generator=g)
-    return kv_cache.quantize_rows(keys), kv_cache.quantize_rows(values)
+    # As the cache lays them out: [blocks, kv heads, block_size, row].
+    return (kv_cache.quantize_rows(x).transpose(1, 2).contiguous() for x in (keys, values))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("native", marks=native), "torch"])

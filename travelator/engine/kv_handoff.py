@@ -25,7 +25,7 @@ class KVHandoff:
     output_token_ids: list[int]  # sampled by the prefill engine (the first token)
     num_computed_tokens: int  # tokens whose K/V the data holds: the prompt
     block_size: int
-    # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, row (model/kv_cache.py)], the request's
+    # [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, row (model/kv_cache.py)], the request's
     # blocks in its own order; slots past num_computed_tokens are unspecified.
     kv: "torch.Tensor"
     cache_salt: str | None = None  # the request's prefix-cache salt, kept on the decode side

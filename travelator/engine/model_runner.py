@@ -135,7 +135,7 @@ class ModelRunner:
 
     # ---- KV hand-off (prefill/decode disaggregation) ---------------------------------
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks' K and V in every layer: [layers, 2, len(block_ids), block_size, kv heads, row]
+        """The blocks' K and V in every layer: [layers, 2, len(block_ids), kv heads, block_size, row]
         (row: head_dim, or head_dim + 4 bytes in an int8 cache)."""
         self._check_handoff()
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)

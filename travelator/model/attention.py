@@ -99,7 +99,7 @@ class PagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, row]: row D, or D + 4 (int8, model/kv_cache.py)
+        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, row]: row D, or D + 4 (int8, model/kv_cache.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -108,9 +108,8 @@ class PagedAttention:
         if meta.backend == "native" and k_cache.dtype in (k.dtype, torch.int8):
             torch.ops.travelator.write_kv_(k_cache, v_cache, meta.slot_mapping, k, v)
         else:
-            row = k_cache.shape[-1]
-            k_cache.view(-1, self.num_kv_heads, row).index_copy_(0, meta.slot_mapping, _as_stored(k, k_cache.dtype))
-            v_cache.view(-1, self.num_kv_heads, row).index_copy_(0, meta.slot_mapping, _as_stored(v, v_cache.dtype))
+            kv_cache.write_rows(k_cache, meta.slot_mapping, _as_stored(k, k_cache.dtype))
+            kv_cache.write_rows(v_cache, meta.slot_mapping, _as_stored(v, v_cache.dtype))
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
                 q, k_cache, v_cache, meta.query_start, meta.seq_lens,
@@ -135,15 +134,11 @@ class PagedAttention:
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks of one or more requests as a [..., KVH, L, D] key range of ``dtype``."""
-        # index_select on the flat block list is ~2x faster than advanced indexing on CPU.
-        _, bs, kvh, row = cache.shape
-        g = cache.index_select(0, block_table.reshape(-1))  # [N * nb, bs, KVH, row]
-        g = g.view(*block_table.shape[:-1], block_table.shape[-1] * bs, kvh, row)
-        g = kv_cache.dequantize_rows(g, dtype) if cache.dtype == torch.int8 else g.to(dtype)
-        return g.transpose(-3, -2)  # [..., KVH, L, D]
+        g = kv_cache.gather_positions(cache, block_table)
+        return kv_cache.dequantize_rows(g, dtype) if cache.dtype == torch.int8 else g.to(dtype)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        block_size = k_cache.shape[1]
+        block_size = k_cache.shape[2]
         tables = meta.block_tables[: meta.num_decodes, : meta.decode_mask.shape[-1] // block_size]
         keys = self._gather(k_cache, tables, q.dtype)  # [B, KVH, L, D]
         values = self._gather(v_cache, tables, q.dtype)

@@ -1,7 +1,9 @@
 """How the KV cache stores a token's keys and values.
 
-Each layer has one K and one V tensor, [blocks, block_size, kv_heads, row]: a row is one
-head's vector for one token. In a float dtype (the model's, or another one) the row is the
+Each layer has one K and one V tensor, [blocks, kv_heads, block_size, row]: a row is one
+head's vector for one token. A block holds each head's rows together, so that attention,
+which reads one head's keys in order of position, reads memory front to back: the
+hardware prefetchers then run ahead of it (docs/design.md, "The KV cache layout"). In a float dtype (the model's, or another one) the row is the
 head_dim values themselves. With ``kv_cache_dtype="int8"`` the row is head_dim signed
 8-bit codes followed by their float32 scale (its 4 bytes, bit-cast):
 
@@ -32,7 +34,29 @@ def row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
 
 def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                 kv_dtype: torch.dtype) -> tuple[int, int, int, int]:
-    return (num_blocks, block_size, kv_heads, row_width(head_dim, kv_dtype))
+    return (num_blocks, kv_heads, block_size, row_width(head_dim, kv_dtype))
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Rows [T, kv_heads, row] into their slots [T] (slot = block * block_size + position)."""
+    block_size = cache.shape[2]
+    cache[slots // block_size, :, slots % block_size] = rows
+
+
+def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows [T, kv_heads, row] in slots [T]."""
+    block_size = cache.shape[2]
+    return cache[slots // block_size, :, slots % block_size]
+
+
+def gather_positions(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The blocks of block_tables [..., n] as [..., kv_heads, n * block_size, row]: each
+    head's rows in order of position."""
+    _, kv_heads, block_size, row = cache.shape
+    # index_select on the flat block list is ~2x faster than advanced indexing on CPU.
+    g = cache.index_select(0, block_tables.reshape(-1))  # [N * n, kv_heads, block_size, row]
+    g = g.view(*block_tables.shape, kv_heads, block_size, row).movedim(-3, -4)
+    return g.reshape(*block_tables.shape[:-1], kv_heads, block_tables.shape[-1] * block_size, row)
 
 
 def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> int:

@@ -338,10 +338,10 @@ void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
 }
 
 // The new tokens' keys and values into their cache slots: k, v [T, KVH, D] (row-strided
-// views of the fused QKV tensor are fine), caches [blocks, block_size, KVH, row], slots [T]
-// long. A cache of k's dtype takes one copy per token (index_copy_ took two passes and a
-// per-element index check: about 40 us for 64 tokens here, against 5); an int8 cache
-// (row = D + 4) takes each head quantized.
+// views of the fused QKV tensor are fine), caches [blocks, KVH, block_size, row], slots [T]
+// long (slot = block * block_size + position). A cache of k's dtype takes one copy per
+// token and head (index_copy_ took two passes and a per-element index check: about 40 us
+// for 64 tokens here, against 5); an int8 cache (row = D + 4) takes each head quantized.
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
                const at::Tensor& v) {
   TORCH_CHECK(heads_contiguous(k) && heads_contiguous(v) && k.sizes() == v.sizes(), "write_kv_: k, v must be [T, KVH, D] with contiguous heads");
@@ -349,14 +349,16 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
   const bool int8 = k_cache.scalar_type() == at::kChar;
   const int64_t heads = k.size(1), d = k.size(2), row = int8 ? d + 4 : d;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-              k_cache.size(2) == heads && k_cache.size(3) == row, "write_kv_: caches must be [blocks, block_size, KVH, row] for k");
+              k_cache.size(1) == heads && k_cache.size(3) == row, "write_kv_: caches must be [blocks, KVH, block_size, row] for k");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (int8 || k_cache.scalar_type() == k.scalar_type()),
               "write_kv_: caches and k, v must share a dtype (or the caches be int8)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "write_kv_: bad slots");
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t block_size = k_cache.size(2), num_slots = k_cache.size(0) * block_size;
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_: slot ", slot[t], " out of range");
+  // Row index of (slot, head) in the cache.
+  auto row_of = [&](int64_t s, int64_t h) { return (s / block_size * heads + h) * block_size + s % block_size; };
   if (int8) {
     int8_t* kc = k_cache.data_ptr<int8_t>();
     int8_t* vc = v_cache.data_ptr<int8_t>();
@@ -367,24 +369,25 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
       at::parallel_for(0, slots.numel(), 64, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
           for (int64_t h = 0; h < heads; ++h) {
-            quantize_kv_row(ks + t * k.stride(0) + h * d, d, kc + (slot[t] * heads + h) * row);
-            quantize_kv_row(vs + t * v.stride(0) + h * d, d, vc + (slot[t] * heads + h) * row);
+            quantize_kv_row(ks + t * k.stride(0) + h * d, d, kc + row_of(slot[t], h) * row);
+            quantize_kv_row(vs + t * v.stride(0) + h * d, d, vc + row_of(slot[t], h) * row);
           }
       });
     });
     return;
   }
-  const int64_t row_bytes = heads * d * static_cast<int64_t>(k.element_size());
+  const int64_t row_bytes = d * static_cast<int64_t>(k.element_size());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
   at::parallel_for(0, slots.numel(), 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slot[t] * row_bytes, ks + t * k_stride, row_bytes);
-      std::memcpy(vc + slot[t] * row_bytes, vs + t * v_stride, row_bytes);
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + row_of(slot[t], h) * row_bytes, ks + t * k_stride + h * row_bytes, row_bytes);
+        std::memcpy(vc + row_of(slot[t], h) * row_bytes, vs + t * v_stride + h * row_bytes, row_bytes);
+      }
   });
 }
 

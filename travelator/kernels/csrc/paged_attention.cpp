@@ -141,7 +141,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
     const int64_t valid_in_chunk = std::min(C, last_pos + 1 - key0);
     for (int64_t j = 0; j < valid_in_chunk; ++j) {
       const int64_t key = key0 + j;
-      const int64_t offset = ((table[key / bs] * bs + key % bs) * num_kv_heads + kv_head) * row;
+      const int64_t offset = ((table[key / bs] * num_kv_heads + kv_head) * bs + key % bs) * row;
       const cache_t* kj = k_cache + offset;
       const cache_t* vj = v_cache + offset;
       const float ks = row_scale(kj, D), vs = row_scale(vj, D);
@@ -295,13 +295,12 @@ inline void pv_any_rows(int64_t rows, float* acc, const float* p, int64_t n_keys
   pv_rows<cache_t, kChunks, R>(acc, p, n_keys, vrows, pf_l1);
 }
 
-// Ask for the rows of 16 keys into L1 (`key_bytes` from each: the item's KV heads,
-// contiguous in a block): the one burst of a chunk, for its first group.
+// Ask for one head's rows of 16 keys into L1: the one burst of a chunk, for its first group.
 template <typename cache_t>
-inline void prefetch_keys(const cache_t* cache, const int64_t* key_offset, int64_t key_bytes) {
+inline void prefetch_keys(const cache_t* head_cache, const int64_t* key_offset, int64_t row_bytes) {
   for (int64_t j = 0; j < 16; ++j) {
     if (j > 0 && key_offset[j] == key_offset[j - 1]) continue;  // padding repeats a key
-    prefetch_row<0>(cache + key_offset[j], key_bytes);
+    prefetch_row<0>(head_cache + key_offset[j], row_bytes);
   }
 }
 
@@ -329,10 +328,8 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   const int64_t all_rows = num_kv_heads * rows;  // row h * rows + r: head h's row r
   const int64_t token0 = query_start[w.request] + w.first_query;
   constexpr int64_t kRow = row_width<cache_t>(D);
-  const int64_t key_stride = num_kv_heads * kRow;  // a key's rows, all heads, in a block
-  // The item's heads of a key: its part of the key's row in a block.
-  const int64_t key_bytes = (w.end_head - w.first_head) * kRow * static_cast<int64_t>(sizeof(cache_t));
-  const cache_t* k_heads = k_cache + w.first_head * kRow;
+  // A block holds each head's rows together: head h's row of a key is head_stride past head 0's.
+  const int64_t head_stride = bs * kRow, block_stride = num_kv_heads * head_stride;
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<float> m(all_rows, -std::numeric_limits<float>::infinity()), l(all_rows, 0.0f);
@@ -350,9 +347,9 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     // that no read goes past the block table (those lanes are masked).
     for (int64_t j = 0; j < padded + 16; ++j) {
       const int64_t pos = chunk0 + std::min(j, chunk_keys - 1);
-      key_offset[j] = (table[pos / bs] * bs + pos % bs) * key_stride;
+      key_offset[j] = table[pos / bs] * block_stride + pos % bs * kRow;
     }
-    prefetch_keys(k_heads, key_offset.data(), key_bytes);
+    for (int64_t h = w.first_head; h < w.end_head; ++h) prefetch_keys(k_cache + h * head_stride, key_offset.data(), kRow * static_cast<int64_t>(sizeof(cache_t)));
     // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
     // every row that sees at least one of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
@@ -361,9 +358,9 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
         // (for step (3), into L2).
         const cache_t *krows[16], *k_next[16], *v_rows[16];
         for (int64_t j = 0; j < 16; ++j) {
-          krows[j] = k_cache + key_offset[g0 + j] + h * kRow;
-          k_next[j] = k_cache + key_offset[g0 + 16 + j] + h * kRow;
-          v_rows[j] = v_cache + key_offset[g0 + j] + h * kRow;
+          krows[j] = k_cache + key_offset[g0 + j] + h * head_stride;
+          k_next[j] = k_cache + key_offset[g0 + 16 + j] + h * head_stride;
+          v_rows[j] = v_cache + key_offset[g0 + j] + h * head_stride;
         }
         // Each group's rows are asked for once: while its K is widened, or with the first
         // row's scores.
@@ -429,8 +426,8 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
         const cache_t *vrows[16], *v_next[16];
         for (int64_t j = 0; j < 16; ++j) {
-          vrows[j] = v_cache + key_offset[g0 + j] + h * kRow;
-          v_next[j] = v_cache + key_offset[g0 + 16 + j] + h * kRow;
+          vrows[j] = v_cache + key_offset[g0 + j] + h * head_stride;
+          v_next[j] = v_cache + key_offset[g0 + 16 + j] + h * head_stride;
         }
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBatch) {
           const int64_t nr = std::min(kRowBatch, rows - r0);
@@ -509,7 +506,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
     const int64_t valid = std::min(C, n_keys - key0);
     for (int64_t j = 0; j < valid; ++j) {
       const int64_t pos = key0 + j;
-      const int64_t offset = ((table[pos / bs] * bs + pos % bs) * num_kv_heads + kv_head) * kRow;
+      const int64_t offset = ((table[pos / bs] * num_kv_heads + kv_head) * bs + pos % bs) * kRow;
       krows[j] = k_cache + offset;
       vrows[j] = v_cache + offset;
       kscale[j] = row_scale(krows[j], D);
@@ -629,7 +626,6 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   const int64_t rows = w.num_queries * group;  // row = query * group + r
   const int64_t nrb = (rows + 15) / 16, rpad = nrb * 16;
   const int64_t token0 = query_start[w.request] + w.first_query;
-  const int64_t key_stride = num_kv_heads * D;
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<uint32_t> qt(nrb * kPairs * 16), pp(kTiledKeys / 2 * rpad);
@@ -672,7 +668,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       // Keys past nk repeat the last one (in bounds; masked below).
       for (int64_t j = 0; j < nk8; ++j) {
         const int64_t pos = chunk0 + std::min(j, nk - 1);
-        key_offset[j] = (table[pos / bs] * bs + pos % bs) * key_stride + h * D;
+        key_offset[j] = ((table[pos / bs] * num_kv_heads + h) * bs + pos % bs) * D;
       }
       // (1) scores, 8 keys x 16 rows at a time: s[j][row].
       for (int64_t rb = 0; rb < nrb; ++rb) {
@@ -758,7 +754,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
          const at::Tensor& block_tables, double scale, bool tiled) {
   const int64_t num_requests = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t* qs = query_start.data_ptr<int64_t>();
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
@@ -842,7 +838,7 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
   }
 }
 
-// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, block_size, KVH, D]
+// q [T, H, D] (rows may be strided, heads contiguous); k_cache, v_cache [num_blocks, KVH, block_size, D]
 // (D + 4 for int8 caches: codes, then the row's float32 scale); query_start [B + 1],
 // seq_lens [B] (keys after this step's tokens are written), block_tables [B, width]:
 // all int64. Request r's queries are rows query_start[r] .. query_start[r + 1] of q, at
@@ -857,7 +853,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: q must have contiguous heads, the caches must be contiguous");
   const int64_t row = k_cache.scalar_type() == at::kChar ? q.size(2) + 4 : q.size(2);  // int8: codes, then a scale
-  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(2) == 0,
+  TORCH_CHECK(k_cache.size(3) == row && q.size(1) % k_cache.size(1) == 0,
               "paged_attention: head shapes do not match");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: K/V dtypes differ");
   for (const at::Tensor* t : {&query_start, &seq_lens, &block_tables})
