@@ -43,12 +43,6 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
     cache[slots // block_size, :, slots % block_size] = rows
 
 
-def read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The rows [T, kv_heads, row] in slots [T]."""
-    block_size = cache.shape[2]
-    return cache[slots // block_size, :, slots % block_size]
-
-
 def gather_positions(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """The blocks of block_tables [..., n] as [..., kv_heads, n * block_size, row]: each
     head's rows in order of position."""
