@@ -66,9 +66,10 @@ def test_the_stream_follows_the_batch_and_resumes():
             assert stream.headers["content-type"].startswith("text/event-stream")
             # Sent at the same instant, the first long enough that the others arrive while it
             # runs: the batch then fills both seats (a 260K model makes a token in under 1 ms;
-            # 60 tokens were once over before a busy machine had sent the other two; under the
-            # 300 records a new stream starts back, so the oldest record is still 1).
-            lengths = {"Once upon a time": 200, "The little dog": 7, "Lily and Tom": 3}
+            # 60 tokens, and once 200 in a full test run, were over before a busy machine had
+            # sent the other two; under the 300 records a new stream starts back, so the oldest
+            # record is still 1).
+            lengths = {"Once upon a time": 280, "The little dog": 7, "Lily and Tom": 3}
             answers = {}
             start = threading.Barrier(len(lengths))
 

@@ -150,6 +150,55 @@ def test_small_m_linear_against_float64(n, k):
         ops.small_m_linear(torch.zeros(max_rows + 1, k, dtype=torch.bfloat16), w)
 
 
+@pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs without AMX")
+@pytest.mark.parametrize("n,k", [(64, 2), (192, 96), (256, 1408), (128, 1030)])
+@pytest.mark.parametrize("biased", [False, True])
+def test_blocked_linear_against_float64(n, k, biased):
+    """blocked_linear over its weight layout: float64's product within bf16 rounding, at row
+    counts around its 6-row micro-kernel and past 128, with k over several 256-pair passes
+    (1408) and an odd number of pairs (1030); a row's result never depends on the other rows."""
+    from travelator.model.ops import blocked_linear_weight
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16) if biased else None
+    x = torch.randn(140, k, generator=g).to(torch.bfloat16)
+    blocked = blocked_linear_weight(w)
+    assert blocked.shape == (n // 64, k // 2, 64, 2) and torch.equal(blocked[0, 0, 5], w[5, :2])
+    y = ops.blocked_linear(x, blocked, bias)
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (140, n)
+    # float32 sums, then one bf16 rounding: within a few bf16 ulps of the exact value.
+    torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+    for rows in (1, 5, 6, 7, 13, 64, 139):
+        assert torch.equal(ops.blocked_linear(x[-rows:].contiguous(), blocked, bias), y[-rows:])
+    assert ops.blocked_linear(x[:0], blocked, bias).shape == (0, n)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.blocked_linear(x[:, :-2].contiguous(), blocked, bias)
+
+
+@pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs without AMX")
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+def test_native_linear_takes_blocked_linear_where_built(rows):
+    """On these CPUs NativeOps lays bf16 weights with a multiple of 64 outputs out for
+    blocked_linear (no oneDNN copy) and its linear() takes it, 3-D inputs too; other
+    weights keep oneDNN's packed copy."""
+    from travelator.model.ops import NativeOps
+
+    g = torch.Generator().manual_seed(rows)
+    w, odd = torch.randn(192, 96, generator=g).bfloat16(), torch.randn(200, 96, generator=g).bfloat16()
+    native = NativeOps()
+    native.prepare([w, odd])
+    assert set(native._blocked) == {w} and set(native._packed) == {odd}
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    ref = x.double() @ w.double().T
+    y = native.linear(x, w)
+    torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+    if rows > native._small_m_rows:  # past small_m_linear's rows: blocked_linear's own numbers
+        assert torch.equal(y, ops.blocked_linear(x, native._blocked[w], None))
+        assert torch.equal(native.linear(x.view(1, rows, 96), w), y.view(1, rows, 192))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_bitmask_against_a_plain_loop(dtype):
     """Native and torch masking of the constrained rows agree with a loop over the bits."""

@@ -18,7 +18,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_m_linear.cpp", "quant_linear.cpp", "layer_stack.cpp")
+_SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_m_linear.cpp", "blocked_linear.cpp", "quant_linear.cpp",
+            "layer_stack.cpp")
 _HEADERS = ("float_math.h", "vec16.h", "vec8.h")
 _CSRC = Path(__file__).parent / "csrc"
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers (its parallel backend

@@ -4,10 +4,12 @@
 the native kernels do not build. ``NativeOps`` runs the same operations through
 travelator's C++ CPU kernels (fused RMSNorm with the residual add, SiLU * up, rotary in
 place, paged attention in one call per layer, a vectorised argmax for the sampler) and keeps
-bf16 weights pre-packed for oneDNN, so no linear layer reorders its weight at every call
-(about 1.5x faster at the row counts of a decode step), or widened to float32 on CPUs where
-oneDNN has no bf16 GEMM; steps of a few rows stream the natural-layout weights through
-``small_m_linear`` instead.
+bf16 weights laid out once for their GEMM: in blocks of 64 columns for travelator's own
+``blocked_linear`` on CPUs with AVX512-BF16 and no AMX (1.1-2.5x oneDNN there from 8 to 128
+rows, level past that), pre-packed for oneDNN elsewhere (so no linear layer reorders its
+weight at every call: about 1.5x faster at the row counts of a decode step), or widened to
+float32 on CPUs where oneDNN has no bf16 GEMM; steps of a few rows stream the natural-layout
+weights through ``small_m_linear`` instead.
 
 With ``batch_invariant``, ``NativeOps`` makes every row's numbers independent of the other
 rows of the step: the native kernels already compute each row on its own, and linear layers
@@ -42,6 +44,17 @@ from travelator.model.quant import (
 INVARIANT_ROWS = 64
 # Tiles of 64 output rows a quantized layer is dequantized in at a time (past the kernel's rows).
 DEQUANT_TILES = 32
+
+
+# Output columns of a block of a blocked_linear weight (csrc/blocked_linear.cpp).
+BLOCK_COLUMNS = 64
+
+
+def blocked_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 64, K / 2, 64, 2]: for each 64 output columns, every pair of k in order,
+    the columns' two weights side by side (the layout of csrc/blocked_linear.cpp)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // BLOCK_COLUMNS, BLOCK_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +140,10 @@ class NativeOps(TorchOps):
         self._ops = torch.ops.travelator
         # Parameter -> its oneDNN-packed copy (bf16 weights on the CPU only).
         self._packed: dict[torch.Tensor, torch.Tensor] = {}
+        # Parameter -> its copy for blocked_linear, built where the CPU has AVX512-BF16 and no
+        # AMX (there it replaces the oneDNN copy; past 128 rows the two run level).
+        self._blocked_linear = getattr(self._ops, "blocked_linear", None)
+        self._blocked: dict[torch.Tensor, torch.Tensor] = {}
         # Parameter -> its float32 copy, packed for oneDNN: bf16 weights on CPUs where oneDNN
         # has no bf16 GEMM (no AVX512-BW/VL/DQ or AVX-NE-CONVERT: AVX2 machines), whose bf16
         # path in torch is 4-5x slower than float32's; packed, float32 runs 1.3-2.7x faster
@@ -165,7 +182,10 @@ class NativeOps(TorchOps):
             return
         for w in linear_weights:
             if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
-                if self._bf16_gemm:
+                if (self._bf16_gemm and self._blocked_linear is not None and w.shape[0] % BLOCK_COLUMNS == 0
+                        and w.shape[1] % 2 == 0):
+                    self._blocked[w] = blocked_linear_weight(w)
+                elif self._bf16_gemm:
                     self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
                 else:
                     self._widened[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None)
@@ -173,8 +193,10 @@ class NativeOps(TorchOps):
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, torch.Tensor):  # quantized: int8 / int4
             return self._quantized_layer(x, weight, bias)
-        packed, widened = self._packed.get(weight), self._widened.get(weight)
-        if packed is not None:
+        packed, widened, blocked = self._packed.get(weight), self._widened.get(weight), self._blocked.get(weight)
+        if blocked is not None and x.dtype == torch.bfloat16:
+            call = lambda rows: self._blocked_call(rows, blocked, bias)  # noqa: E731
+        elif packed is not None:
             call = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # noqa: E731
         elif widened is not None:
             wide_bias = None if bias is None else self._widened_bias(bias)
@@ -184,8 +206,9 @@ class NativeOps(TorchOps):
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
         if self.batch_invariant:
             return _in_fixed_tiles(call, x)
-        if ((packed is not None or widened is not None) and self._small_m_linear is not None and bias is None
-                and x.dim() == 2 and x.shape[0] <= self._small_m_rows and x.dtype == torch.bfloat16):
+        prepared = packed is not None or widened is not None or blocked is not None
+        if (prepared and self._small_m_linear is not None and bias is None and x.dim() == 2
+                and x.shape[0] <= self._small_m_rows and x.dtype == torch.bfloat16):
             # A few rows only stream the weights: read in their natural layout.
             return self._small_m_linear(x.contiguous(), weight)
         return call(x)
@@ -198,7 +221,7 @@ class NativeOps(TorchOps):
                 return StreamingLinear(1, weight.packed, weight.scales, bias, 0, weight.out_features)
             return StreamingLinear(2, weight.packed, weight.scales_zeros, bias, weight.group_size, weight.out_features)
         # As linear(): bf16 weights that are prepared and have no bias stream through small_m_linear.
-        prepared = weight in self._packed or weight in self._widened
+        prepared = weight in self._packed or weight in self._widened or weight in self._blocked
         if self._small_m_linear is None or bias is not None or not prepared or weight.dtype != torch.bfloat16:
             return None
         return StreamingLinear(0, weight, None, None, 0, weight.shape[0])
@@ -218,6 +241,11 @@ class NativeOps(TorchOps):
             meta.block_tables, stack.norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
             stack.linear_tensors, stack.linear_ints, stack.num_heads, stack.num_kv_heads, stack.head_dim,
             stack.eps, stack.scale, meta.tiled_prefill)
+
+    def _blocked_call(self, x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        out = self._blocked_linear(rows, blocked, bias)
+        return out if rows is x else out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _widened_bias(self, bias: torch.Tensor) -> torch.Tensor:
         wide = self._widened_biases.get(bias)
