@@ -5,8 +5,8 @@ the native kernels do not build. ``NativeOps`` runs the same operations through
 travelator's C++ CPU kernels (fused RMSNorm with the residual add, SiLU * up, rotary in
 place, paged attention in one call per layer, a vectorised argmax for the sampler) and keeps
 bf16 weights laid out once for their GEMM: in blocks of 64 columns for travelator's own
-``blocked_linear`` on CPUs with AVX512-BF16 and no AMX (1.1-2.5x oneDNN there from 8 to 128
-rows, level past that), pre-packed for oneDNN elsewhere (so no linear layer reorders its
+``blocked_linear`` on CPUs with AVX512-BF16 and no AMX (faster than oneDNN there up to a
+few hundred rows, within 10% of it past that), pre-packed for oneDNN elsewhere (so no linear layer reorders its
 weight at every call: about 1.5x faster at the row counts of a decode step), or widened to
 float32 on CPUs where oneDNN has no bf16 GEMM; steps of a few rows stream the natural-layout
 weights through ``small_m_linear`` instead.
@@ -141,7 +141,7 @@ class NativeOps(TorchOps):
         # Parameter -> its oneDNN-packed copy (bf16 weights on the CPU only).
         self._packed: dict[torch.Tensor, torch.Tensor] = {}
         # Parameter -> its copy for blocked_linear, built where the CPU has AVX512-BF16 and no
-        # AMX (there it replaces the oneDNN copy; past 128 rows the two run level).
+        # AMX: there it replaces the oneDNN copy (the same memory).
         self._blocked_linear = getattr(self._ops, "blocked_linear", None)
         self._blocked: dict[torch.Tensor, torch.Tensor] = {}
         # Parameter -> its float32 copy, packed for oneDNN: bf16 weights on CPUs where oneDNN

@@ -7,9 +7,12 @@
 // The micro-kernel keeps 6 rows x 64 columns of sums in 24 registers; per pair of k it
 // loads 4 weight vectors and broadcasts each row's pair of x. Blocks of 64 columns are
 // split over threads; k is taken kKeyPairs pairs at a time (a 64 KB slice of a block, kept
-// in L2 while every row passes over it). On a 2-core Zen 5 it runs 1.1-2.5x oneDNN's packed
-// bf16 GEMM from 8 to 128 rows and level with it past that (docs/benchmarks.md). oneDNN's
-// AMX GEMM is far faster on CPUs that have AMX: there this kernel is not built.
+// in L2 while every row passes over it), and while a slice is computed the next one is
+// asked for into L2: a decode step's few rows then compute while the weights stream in,
+// where without it the two took turns. On a 2-core Zen 5, against oneDNN's packed bf16
+// GEMM: 1.1-1.3x over a decode step's weights streamed from memory at 8-64 rows, 1.0-2.2x
+// with the weights in cache, 0.9-1.0x past 512 rows (docs/benchmarks.md). oneDNN's AMX
+// GEMM is far faster on CPUs that have AMX: there this kernel is not built.
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -33,14 +36,17 @@ namespace {
 constexpr int64_t kCols = 64;  // output columns of a block: four 16-lane vectors
 constexpr int64_t kRows = 6;   // rows of x a micro-kernel call takes: 24 accumulators
 constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes: 64 KB of a block
+constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
 
 // acc[r][0..64) += sum over pairs p < n_pairs of x[r] pair p . w pair p, R rows.
 template <int64_t R>
-inline void micro(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t n_pairs, float* acc) {
+inline void micro(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t n_pairs, float* acc,
+                  const char* ahead, int64_t every) {
   __m512 a[R][4];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc + r * kCols + 16 * j);
   for (int64_t p = 0; p < n_pairs; ++p) {
+    if (p % every == 0) _mm_prefetch(ahead + p / every * 64, _MM_HINT_T1);
     const __m512bh w0 = w[4 * p], w1 = w[4 * p + 1], w2 = w[4 * p + 2], w3 = w[4 * p + 3];
     for (int64_t r = 0; r < R; ++r) {
       const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + p]));
@@ -55,11 +61,12 @@ inline void micro(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_
 }
 
 template <int64_t R = kRows>
-inline void micro_any(int64_t rows, const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t n_pairs, float* acc) {
+inline void micro_any(int64_t rows, const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t n_pairs, float* acc,
+                      const char* ahead, int64_t every) {
   if constexpr (R > 1) {
-    if (rows < R) return micro_any<R - 1>(rows, x, x_stride, w, n_pairs, acc);
+    if (rows < R) return micro_any<R - 1>(rows, x, x_stride, w, n_pairs, acc, ahead, every);
   }
-  micro<R>(x, x_stride, w, n_pairs, acc);
+  micro<R>(x, x_stride, w, n_pairs, acc, ahead, every);
 }
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -82,23 +89,36 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const __m512bh*>(w.data_ptr());
   auto* yp = y.data_ptr<c10::BFloat16>();
+  // Rows of x are taken a tile at a time, each tile against every block of this thread's
+  // columns, so that the tile is read from L2 (many rows: a prefill chunk) and a block's
+  // weights once per tile (few rows: a decode step has one tile).
+  const int64_t row_tile = std::max<int64_t>(kRows, kRowTileBytes / (2 * K) / kRows * kRows);
   at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * kCols);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const __m512bh* block = wp + nb * K2 * 4;  // 4 vectors a pair
-      for (int64_t p0 = 0; p0 < K2; p0 += kKeyPairs) {
-        const int64_t n_pairs = std::min(kKeyPairs, K2 - p0);
-        for (int64_t m0 = 0; m0 < M; m0 += kRows)
-          micro_any(std::min(kRows, M - m0), xp + m0 * K2 + p0, K2, block + 4 * p0, n_pairs, &acc[m0 * kCols]);
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < 4; ++j) {
-          __m512 v = _mm512_loadu_ps(&acc[m * kCols + 16 * j]);
-          if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + nb * kCols + 16 * j));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + m * N + nb * kCols + 16 * j),
-                              (__m256i)_mm512_cvtneps_pbh(v));
+    std::vector<float> acc(std::min(M, row_tile) * kCols);
+    for (int64_t t0 = 0; t0 < M; t0 += row_tile) {
+      const int64_t tile_rows = std::min(row_tile, M - t0);
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const __m512bh* block = wp + nb * K2 * 4;  // 4 vectors a pair
+        std::fill(acc.begin(), acc.begin() + tile_rows * kCols, 0.0f);
+        for (int64_t p0 = 0; p0 < K2; p0 += kKeyPairs) {
+          const int64_t n_pairs = std::min(kKeyPairs, K2 - p0);
+          // The weights after this pass (the next pass, or the next block: they follow in
+          // memory), asked for into L2 while this pass computes, a share in each group of rows.
+          const char* next = reinterpret_cast<const char*>(block + 4 * (p0 + n_pairs));
+          const int64_t groups = (tile_rows + kRows - 1) / kRows, lines = n_pairs * 4;  // 4 lines a pair
+          const int64_t every = std::max<int64_t>(1, n_pairs * groups / lines);
+          for (int64_t m0 = 0, g = 0; m0 < tile_rows; m0 += kRows, ++g)
+            micro_any(std::min(kRows, tile_rows - m0), xp + (t0 + m0) * K2 + p0, K2, block + 4 * p0, n_pairs,
+                      &acc[m0 * kCols], next + (g * lines / groups) * 64, every);
         }
+        for (int64_t m = 0; m < tile_rows; ++m)
+          for (int64_t j = 0; j < 4; ++j) {
+            __m512 v = _mm512_loadu_ps(&acc[m * kCols + 16 * j]);
+            if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + nb * kCols + 16 * j));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (t0 + m) * N + nb * kCols + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+          }
+      }
     }
   });
   return y;
