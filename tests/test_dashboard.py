@@ -64,21 +64,26 @@ def test_the_stream_follows_the_batch_and_resumes():
         steps_before = metric(url, "travelator_engine_steps_total")
         with httpx.stream("GET", f"{url}/dashboard/stream", timeout=60) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
-            # Sent at the same instant, the first long enough that the others arrive while it
-            # runs: the batch then fills both seats (a 260K model makes a token in under 1 ms;
-            # 60 tokens, and once 200 in a full test run, were over before a busy machine had
-            # sent the other two; under the 300 records a new stream starts back, so the oldest
-            # record is still 1).
+            # The long one first; once it runs, the other two at the same instant: the batch
+            # then fills both seats (a 260K model makes a token in under 1 ms; sent all at
+            # once, a busy machine twice had one request after another finish alone; under
+            # the 300 records a new stream starts back, so the oldest record is still 1).
             lengths = {"Once upon a time": 280, "The little dog": 7, "Lily and Tom": 3}
             answers = {}
-            start = threading.Barrier(len(lengths))
+            start = threading.Barrier(len(lengths) - 1)
 
-            def send(prompt, n):
-                start.wait()
+            def send(prompt, n, wait):
+                if wait:
+                    start.wait()
                 answers[prompt] = complete(url, prompt, n).json()
 
-            threads = [threading.Thread(target=send, args=item) for item in lengths.items()]
-            for t in threads:
+            threads = [threading.Thread(target=send, args=(*item, i > 0)) for i, item in enumerate(lengths.items())]
+            threads[0].start()
+            deadline = time.monotonic() + 30
+            while metric(url, "travelator_num_requests_running") < 1:
+                assert time.monotonic() < deadline, "the long request never ran"
+                time.sleep(0.001)
+            for t in threads[1:]:
                 t.start()
             for t in threads:
                 t.join()

@@ -181,8 +181,9 @@ def test_blocked_linear_against_float64(n, k, biased):
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
 def test_native_linear_takes_blocked_linear_where_built(rows):
     """On these CPUs NativeOps lays bf16 weights with a multiple of 64 outputs out for
-    blocked_linear (no oneDNN copy) and its linear() takes it, 3-D inputs too; other
-    weights keep oneDNN's packed copy."""
+    blocked_linear (no oneDNN copy) and its linear() takes it at every row count (a few rows
+    too: it streams them faster than small_m_linear), 3-D inputs too, and so does the native
+    layer stack (route 3); other weights keep oneDNN's packed copy."""
     from travelator.model.ops import NativeOps
 
     g = torch.Generator().manual_seed(rows)
@@ -194,9 +195,9 @@ def test_native_linear_takes_blocked_linear_where_built(rows):
     ref = x.double() @ w.double().T
     y = native.linear(x, w)
     torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    if rows > native._small_m_rows:  # past small_m_linear's rows: blocked_linear's own numbers
-        assert torch.equal(y, ops.blocked_linear(x, native._blocked[w], None))
-        assert torch.equal(native.linear(x.view(1, rows, 96), w), y.view(1, rows, 192))
+    assert torch.equal(y, ops.blocked_linear(x, native._blocked[w], None))
+    assert torch.equal(native.linear(x.view(1, rows, 96), w), y.view(1, rows, 192))
+    assert native.streaming_linear(w, None).route == 3 and native.streaming_linear(odd, None).route == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,7 +5,7 @@ A step of a few rows (a decode of one or a few requests) spends a fifth of its t
 ``torch.ops`` argument parsing. ``csrc/layer_stack.cpp`` runs the same kernels in the same
 order from C++ (the same bits as the Python layers, which tests check), for steps where the
 Python path would send every linear layer to a streaming kernel: bf16 weights through
-``small_m_linear`` (no bias), int8/int4 through the integer kernel, at most
+``small_m_linear`` (no bias) or ``blocked_linear``, int8/int4 through the integer kernel, at most
 ``NativeOps.streaming_rows`` rows. Anything else (more rows, tensor parallelism, the torch
 kernels, attention's torch backend, a KV cache of another dtype) runs the Python layers.
 """

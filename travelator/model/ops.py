@@ -60,8 +60,8 @@ def blocked_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class StreamingLinear:
     """A linear layer as the native layer stack (model/layer_stack.py) calls it: the route of
-    ``csrc/layer_stack.cpp`` (0 bf16 small_m_linear, 1 int8, 2 int4), its tensors, and
-    whether it is quantized (which bounds its rows: ``NativeOps.streaming_rows``)."""
+    ``csrc/layer_stack.cpp`` (0 bf16 small_m_linear, 1 int8, 2 int4, 3 bf16 blocked_linear),
+    its tensors, and whether it is quantized (which bounds its rows: ``NativeOps.streaming_rows``)."""
 
     route: int
     a: torch.Tensor
@@ -72,7 +72,7 @@ class StreamingLinear:
 
     @property
     def quantized(self) -> bool:
-        return self.route != 0
+        return self.route in (1, 2)
 
 
 class TorchOps:
@@ -206,7 +206,8 @@ class NativeOps(TorchOps):
             call = lambda rows: F.linear(rows, weight, bias)  # noqa: E731
         if self.batch_invariant:
             return _in_fixed_tiles(call, x)
-        prepared = packed is not None or widened is not None or blocked is not None
+        # blocked_linear streams a few rows faster than small_m_linear (weights in one stream).
+        prepared = (packed is not None or widened is not None) and blocked is None
         if (prepared and self._small_m_linear is not None and bias is None and x.dim() == 2
                 and x.shape[0] <= self._small_m_rows and x.dtype == torch.bfloat16):
             # A few rows only stream the weights: read in their natural layout.
@@ -220,8 +221,12 @@ class NativeOps(TorchOps):
             if isinstance(weight, Int8Weight):
                 return StreamingLinear(1, weight.packed, weight.scales, bias, 0, weight.out_features)
             return StreamingLinear(2, weight.packed, weight.scales_zeros, bias, weight.group_size, weight.out_features)
-        # As linear(): bf16 weights that are prepared and have no bias stream through small_m_linear.
-        prepared = weight in self._packed or weight in self._widened or weight in self._blocked
+        # As linear(): blocked_linear where the weight has its copy; else bf16 weights that are
+        # prepared and have no bias stream through small_m_linear.
+        blocked = self._blocked.get(weight)
+        if blocked is not None and self._small_m_linear is not None:
+            return StreamingLinear(3, blocked, None, bias, 0, weight.shape[0])
+        prepared = weight in self._packed or weight in self._widened
         if self._small_m_linear is None or bias is not None or not prepared or weight.dtype != torch.bfloat16:
             return None
         return StreamingLinear(0, weight, None, None, 0, weight.shape[0])

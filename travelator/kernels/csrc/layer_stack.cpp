@@ -4,12 +4,13 @@
 // them are gone. A step of a few rows of x spends ~100 us per layer there, on this 2-core
 // CPU: a fifth of a batch-1 int4 step of the 250M model.
 //
-// Only for steps whose every linear layer takes a streaming kernel (small_m_linear for bf16
-// weights, quant_linear_int8/int4 for quantized ones); the Python side checks that, and runs
-// the layers itself otherwise. Each linear layer is three entries of `linear_tensors`
-// (a, b, bias) and of `linear_ints` (route, group, N):
+// Only for steps whose every linear layer takes a streaming kernel (small_m_linear or
+// blocked_linear for bf16 weights, quant_linear_int8/int4 for quantized ones); the Python
+// side checks that, and runs the layers itself otherwise. Each linear layer is three entries
+// of `linear_tensors` (a, b, bias) and of `linear_ints` (route, group, N):
 //   route 0: bf16 weight a, small_m_linear (no bias: the Python layer takes the GEMM then)
 //   route 1: int8, a packed, b scales; route 2: int4, a packed, b scales_zeros, group
+//   route 3: bf16 weight a laid out for blocked_linear (bias or not)
 // Layer l's linear layers are 4 l .. 4 l + 3: QKV, output, gate/up, down; its norms are
 // norms[2 l] (input) and norms[2 l + 1] (after attention), and the last norm the model's.
 
@@ -38,6 +39,7 @@ std::optional<c10::TypedOperatorHandle<Sig>> kernel_if_built(const char* name) {
 }
 
 using SmallM = T(const T&, const T&);
+using Blocked = T(const T&, const T&, const std::optional<T>&);
 using Int8 = T(const T&, const T&, const T&, int64_t);
 using Int4 = T(const T&, const T&, const T&, int64_t, int64_t);
 
@@ -55,22 +57,27 @@ struct Kernels {
   c10::TypedOperatorHandle<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool)> attention =
       kernel<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool)>("travelator::paged_attention");
   std::optional<c10::TypedOperatorHandle<SmallM>> small_m = kernel_if_built<SmallM>("travelator::small_m_linear");
+  std::optional<c10::TypedOperatorHandle<Blocked>> blocked = kernel_if_built<Blocked>("travelator::blocked_linear");
   std::optional<c10::TypedOperatorHandle<Int8>> int8 = kernel_if_built<Int8>("travelator::quant_linear_int8");
   std::optional<c10::TypedOperatorHandle<Int4>> int4 = kernel_if_built<Int4>("travelator::quant_linear_int4");
 };
 
-enum Route : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+enum Route : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kBlocked = 3 };
 
 // y = x W^T (+ bias) for linear layer i, as ops.NativeOps.linear computes it.
 T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c10::IntArrayRef ints, int64_t i, const T& x) {
   const std::optional<T> a = tensors.get(3 * i), b = tensors.get(3 * i + 1), bias = tensors.get(3 * i + 2);
   const int64_t route = ints[3 * i], group = ints[3 * i + 1], n = ints[3 * i + 2];
-  TORCH_CHECK(a.has_value() && (route == kBf16 || b.has_value()), "decoder_layers: linear layer ", i, " lacks a tensor");
+  TORCH_CHECK(a.has_value() && (route == kBf16 || route == kBlocked || b.has_value()),
+              "decoder_layers: linear layer ", i, " lacks a tensor");
   T y;
   switch (route) {
     case kBf16:
       TORCH_CHECK(k.small_m.has_value() && !bias.has_value(), "decoder_layers: no streaming kernel for layer ", i);
       return k.small_m->call(x.contiguous(), *a);
+    case kBlocked:
+      TORCH_CHECK(k.blocked.has_value(), "decoder_layers: this build has no blocked_linear");
+      return k.blocked->call(x.contiguous(), *a, bias);
     case kInt8:
       TORCH_CHECK(k.int8.has_value(), "decoder_layers: this build has no int8 kernel");
       y = k.int8->call(x.contiguous(), *a, *b, n);
