@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from travelator import kernels
+from travelator.model import kv_cache
 from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
@@ -73,8 +74,13 @@ def test_write_kv_puts_each_head_in_its_slot():
         for h in range(kvh):
             want_k[slot // bs, h, slot % bs] = k[t, h]
             want_v[slot // bs, h, slot % bs] = v[t, h]
+    torch_k, torch_v = k_cache.clone(), v_cache.clone()
     ops.write_kv_(k_cache, v_cache, slots, k, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # The torch path's writer (the fallback's) puts them there too.
+    kv_cache.write_rows(torch_k, slots, k)
+    kv_cache.write_rows(torch_v, slots, v)
+    assert torch.equal(torch_k, want_k) and torch.equal(torch_v, want_v)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.write_kv_(k_cache, v_cache, torch.tensor([0, blocks * bs]), k[:2], v[:2])
     with pytest.raises(RuntimeError, match="share a dtype"):

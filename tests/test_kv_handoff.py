@@ -3,12 +3,14 @@ is the single engine's, token for token, and neither pool leaks a block."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paths import STORIES, STORIES_EXPECTED, needs_stories
 
 from travelator import LLM, SamplingParams
-from travelator.engine.kv_handoff import KVPoolFullError
+from travelator.engine.kv_handoff import OLD_KV_LAYOUT, KVPoolFullError
 
 pytestmark = needs_stories
 
@@ -120,6 +122,8 @@ def test_bad_hand_offs_are_refused():
     with pytest.raises(ValueError, match="blocks hold 8 tokens"):
         other_block_size.add_handoff(handoff, greedy(8))
     decode = LLM(str(STORIES), **ENGINE).engine
+    with pytest.raises(ValueError, match="laid out as"):  # an engine of another version
+        decode.add_handoff(dataclasses.replace(handoff, kv_layout=OLD_KV_LAYOUT), greedy(8))
     with pytest.raises(ValueError, match="has more to sample"):
         decode.add_handoff(handoff, greedy(1))
     decode.add_handoff(handoff, greedy(8))

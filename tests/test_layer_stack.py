@@ -13,6 +13,7 @@ import torch
 from hf_models import build_checkpoint
 
 from travelator import LLM, SamplingParams, kernels
+from travelator.model.layer_stack import LayerStack
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
 
@@ -56,13 +57,21 @@ def test_the_layer_stack_gives_the_python_layers_bits(dtype, quantization, kv):
     stacked, used = _generate(llm, use_stack=True)
     assert none == 0 and used > 0
     assert stacked == python
+    if quantization == "none" and hasattr(torch.ops.travelator, "blocked_linear"):
+        # AVX512-BF16 without AMX: tiny's bf16 layers go through blocked_linear (route 3).
+        assert set(LayerStack.of(llm.engine.runner.model).linear_ints[0::3]) == {3}
 
 
-def test_the_layer_stack_adds_a_quantized_layers_bias(tmp_path):
-    """Qwen2's QKV bias: added after the integer kernel, as the Python layer adds it. (The
-    checkpoint's biases are zeros, transformers' initialisation: they are made random here.)"""
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_the_layer_stack_adds_a_layers_bias(tmp_path, quantization):
+    """Qwen2's QKV bias: added after the integer kernel, as the Python layer adds it; in
+    blocked_linear's float32 sums where that kernel takes bf16 layers (elsewhere a biased
+    bf16 layer keeps the model in Python). (The checkpoint's biases are zeros,
+    transformers' initialisation: they are made random here.)"""
     path = build_checkpoint(tmp_path / "qwen2", "qwen2")
-    llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_num_seqs=2, enable_prefix_caching=False)
+    if quantization == "none" and not hasattr(torch.ops.travelator, "blocked_linear"):
+        pytest.skip("no bf16 kernel streams a biased layer on this CPU")
+    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
     for layer in llm.engine.runner.model.layers:
         bias = layer.self_attn.qkv_bias

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from travelator.engine.kv_handoff import KVHandoff
+from travelator.engine.kv_handoff import OLD_KV_LAYOUT, KVHandoff
 
 _TAG_SIZE, _TAG_HEADER, _TAG_LAYER0 = 0, 1, 2
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -50,7 +50,7 @@ class KVChannel:
             "request_id": handoff.request_id, "prompt_token_ids": handoff.prompt_token_ids,
             "output_token_ids": handoff.output_token_ids,
             "num_computed_tokens": handoff.num_computed_tokens, "block_size": handoff.block_size,
-            "cache_salt": handoff.cache_salt,
+            "cache_salt": handoff.cache_salt, "kv_layout": handoff.kv_layout,
             "shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch."),
         }).encode()
         data = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -78,8 +78,10 @@ class KVChannel:
         for w in works:
             w.wait()
         kv = torch.stack(layers) if layers else torch.empty(shape, dtype=dtype)
+        # A sender from before the layout was named sent the old one.
         handoff = KVHandoff(head["request_id"], head["prompt_token_ids"], head["output_token_ids"],
-                            head["num_computed_tokens"], head["block_size"], kv, head["cache_salt"])
+                            head["num_computed_tokens"], head["block_size"], kv, head["cache_salt"],
+                            head.get("kv_layout", OLD_KV_LAYOUT))
         self.received.handoffs += 1
         self.received.bytes += handoff.nbytes
         self.received.seconds += time.perf_counter() - t0

@@ -17,7 +17,7 @@ from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.kv_cache import KVCacheManager, blocks_for
-from travelator.engine.kv_handoff import KVHandoff, KVPoolFullError
+from travelator.engine.kv_handoff import KV_LAYOUT, KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.request_factory import RequestFactory
@@ -260,6 +260,9 @@ class LLMEngine:
         nothing, when the pool has no room for it now (retry after a step)."""
         if handoff.block_size != self.kv.block_size:
             raise ValueError(f"handed-off blocks hold {handoff.block_size} tokens, this pool's {self.kv.block_size}")
+        if handoff.kv_layout != KV_LAYOUT:
+            raise ValueError(f"handed-off blocks are laid out as [{handoff.kv_layout}], this pool's as "
+                             f"[{KV_LAYOUT}]: both engines must run the same version")
         req = self.make_request(handoff.prompt_token_ids, params, request_id or handoff.request_id, priority,
                                 handoff.cache_salt)
         outputs = list(handoff.output_token_ids)

@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     import torch
 
 
+# The order of a layer's K or V cache dimensions (model/kv_cache.py's cache_shape), named in
+# a hand-off so that an engine never reads another's blocks in another order.
+KV_LAYOUT = "blocks, kv_heads, block_size, row"
+# Before 2026-12-04, and what a hand-off that names none was sent in.
+OLD_KV_LAYOUT = "blocks, block_size, kv_heads, row"
+
+
 @dataclass(slots=True)
 class KVHandoff:
     request_id: str
@@ -29,6 +36,7 @@ class KVHandoff:
     # blocks in its own order; slots past num_computed_tokens are unspecified.
     kv: "torch.Tensor"
     cache_salt: str | None = None  # the request's prefix-cache salt, kept on the decode side
+    kv_layout: str = KV_LAYOUT  # the order of kv's dimensions after the first two
 
     @property
     def nbytes(self) -> int:

@@ -183,7 +183,7 @@ class NativeOps(TorchOps):
         for w in linear_weights:
             if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
                 if (self._bf16_gemm and self._blocked_linear is not None and w.shape[0] % BLOCK_COLUMNS == 0
-                        and w.shape[1] % 2 == 0):
+                        and w.shape[1] % 2 == 0 and w.shape[1] > 0):
                     self._blocked[w] = blocked_linear_weight(w)
                 elif self._bf16_gemm:
                     self._packed[w] = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)

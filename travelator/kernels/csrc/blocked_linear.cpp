@@ -39,14 +39,17 @@ constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes: 64 KB of a block
 constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
 
 // acc[r][0..64) += sum over pairs p < n_pairs of x[r] pair p . w pair p, R rows.
+// ahead, lines: lines of weights to ask for into L2 meanwhile, spread over the pairs.
 template <int64_t R>
 inline void micro(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t n_pairs, float* acc,
-                  const char* ahead, int64_t every) {
+                  const __m512bh* ahead, int64_t lines) {
+  const int64_t per_pair = (lines + n_pairs - 1) / n_pairs;
   __m512 a[R][4];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc + r * kCols + 16 * j);
   for (int64_t p = 0; p < n_pairs; ++p) {
-    if (p % every == 0) _mm_prefetch(ahead + p / every * 64, _MM_HINT_T1);
+    for (int64_t i = p * per_pair, stop = std::min(lines, (p + 1) * per_pair); i < stop; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
     const __m512bh w0 = w[4 * p], w1 = w[4 * p + 1], w2 = w[4 * p + 2], w3 = w[4 * p + 3];
     for (int64_t r = 0; r < R; ++r) {
       const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + p]));
@@ -62,11 +65,11 @@ inline void micro(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_
 
 template <int64_t R = kRows>
 inline void micro_any(int64_t rows, const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_t n_pairs, float* acc,
-                      const char* ahead, int64_t every) {
+                      const __m512bh* ahead, int64_t lines) {
   if constexpr (R > 1) {
-    if (rows < R) return micro_any<R - 1>(rows, x, x_stride, w, n_pairs, acc, ahead, every);
+    if (rows < R) return micro_any<R - 1>(rows, x, x_stride, w, n_pairs, acc, ahead, lines);
   }
-  micro<R>(x, x_stride, w, n_pairs, acc, ahead, every);
+  micro<R>(x, x_stride, w, n_pairs, acc, ahead, lines);
 }
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -77,6 +80,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
               "blocked_linear: w must be a blocked bf16 weight [N / 64, K / 2, 64, 2]");
   const int64_t M = x.size(0), K = x.size(1), K2 = w.size(1), N = w.size(0) * kCols;
   TORCH_CHECK(K == 2 * K2, "blocked_linear: x has ", K, " columns, the weight ", 2 * K2);
+  TORCH_CHECK(K2 > 0, "blocked_linear: no columns in x");
   const float* b = nullptr;
   at::Tensor bias_f;
   if (bias.has_value()) {
@@ -88,6 +92,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const __m512bh*>(w.data_ptr());
+  const __m512bh* w_end = wp + N / kCols * K2 * 4;
   auto* yp = y.data_ptr<c10::BFloat16>();
   // Rows of x are taken a tile at a time, each tile against every block of this thread's
   // columns, so that the tile is read from L2 (many rows: a prefill chunk) and a block's
@@ -103,13 +108,15 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
         for (int64_t p0 = 0; p0 < K2; p0 += kKeyPairs) {
           const int64_t n_pairs = std::min(kKeyPairs, K2 - p0);
           // The weights after this pass (the next pass, or the next block: they follow in
-          // memory), asked for into L2 while this pass computes, a share in each group of rows.
-          const char* next = reinterpret_cast<const char*>(block + 4 * (p0 + n_pairs));
-          const int64_t groups = (tile_rows + kRows - 1) / kRows, lines = n_pairs * 4;  // 4 lines a pair
-          const int64_t every = std::max<int64_t>(1, n_pairs * groups / lines);
+          // memory, up to the weight's end), asked for into L2 while this pass computes, a
+          // share in each group of rows. A vector is a line: 4 lines a pair.
+          const __m512bh* next = block + 4 * (p0 + n_pairs);
+          const int64_t lines = std::min<int64_t>(4 * kKeyPairs, w_end - next);
+          const int64_t groups = (tile_rows + kRows - 1) / kRows, share = (lines + groups - 1) / groups;
           for (int64_t m0 = 0, g = 0; m0 < tile_rows; m0 += kRows, ++g)
             micro_any(std::min(kRows, tile_rows - m0), xp + (t0 + m0) * K2 + p0, K2, block + 4 * p0, n_pairs,
-                      &acc[m0 * kCols], next + (g * lines / groups) * 64, every);
+                      &acc[m0 * kCols], next + std::min(lines, g * share),
+                      std::max<int64_t>(0, std::min(share, lines - g * share)));
         }
         for (int64_t m = 0; m < tile_rows; ++m)
           for (int64_t j = 0; j < 4; ++j) {
