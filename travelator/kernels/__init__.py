@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "elementwise.cpp", "small_m_linear.cpp", "blocked_linear.cpp", "quant_linear.cpp",
             "layer_stack.cpp")
-_HEADERS = ("float_math.h", "vec16.h", "vec8.h")
+_HEADERS = ("float_math.h", "kv_layout.h", "vec16.h", "vec8.h")
 _CSRC = Path(__file__).parent / "csrc"
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers (its parallel backend
 # here); without the flag it compiles to a serial loop and every kernel runs on one thread.

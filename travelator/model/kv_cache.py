@@ -2,9 +2,10 @@
 
 Each layer has one K and one V tensor, [blocks, kv_heads, block_size, row]: a row is one
 head's vector for one token. A block holds each head's rows together, so that attention,
-which reads one head's keys in order of position, reads memory front to back: the
-hardware prefetchers then run ahead of it (docs/design.md, "The KV cache layout"). In a float dtype (the model's, or another one) the row is the
-head_dim values themselves. With ``kv_cache_dtype="int8"`` the row is head_dim signed
+which reads one head's keys in order of position, reads memory front to back: the hardware
+prefetchers then run ahead of it (docs/design.md, "The KV cache's rows"; csrc/kv_layout.h
+states the same layout for the kernels). In a float dtype (the model's, or another one) the
+row is the head_dim values themselves. With ``kv_cache_dtype="int8"`` the row is head_dim signed
 8-bit codes followed by their float32 scale (its 4 bytes, bit-cast):
 
     scale = max|x| / 127,    code = round(x * (127 / max|x|)) in [-127, 127],    x ~ code * scale

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "float_math.h"
+#include "kv_layout.h"
 #include "vec16.h"
 #include "vec8.h"
 
@@ -358,7 +359,7 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots
   for (int64_t t = 0; t < slots.numel(); ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_: slot ", slot[t], " out of range");
   // Row index of (slot, head) in the cache.
-  auto row_of = [&](int64_t s, int64_t h) { return (s / block_size * heads + h) * block_size + s % block_size; };
+  auto row_of = [&](int64_t s, int64_t h) { return travelator::kv_row(s / block_size, h, s % block_size, heads, block_size); };
   if (int8) {
     int8_t* kc = k_cache.data_ptr<int8_t>();
     int8_t* vc = v_cache.data_ptr<int8_t>();

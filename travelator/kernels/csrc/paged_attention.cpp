@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "float_math.h"
+#include "kv_layout.h"
 #include "vec16.h"
 #include "vec8.h"
 
@@ -141,7 +142,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
     const int64_t valid_in_chunk = std::min(C, last_pos + 1 - key0);
     for (int64_t j = 0; j < valid_in_chunk; ++j) {
       const int64_t key = key0 + j;
-      const int64_t offset = ((table[key / bs] * num_kv_heads + kv_head) * bs + key % bs) * row;
+      const int64_t offset = travelator::kv_row(table[key / bs], kv_head, key % bs, num_kv_heads, bs) * row;
       const cache_t* kj = k_cache + offset;
       const cache_t* vj = v_cache + offset;
       const float ks = row_scale(kj, D), vs = row_scale(vj, D);
@@ -329,7 +330,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   const int64_t token0 = query_start[w.request] + w.first_query;
   constexpr int64_t kRow = row_width<cache_t>(D);
   // A block holds each head's rows together: head h's row of a key is head_stride past head 0's.
-  const int64_t head_stride = bs * kRow, block_stride = num_kv_heads * head_stride;
+  const int64_t head_stride = bs * kRow;
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<float> m(all_rows, -std::numeric_limits<float>::infinity()), l(all_rows, 0.0f);
@@ -347,9 +348,10 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     // that no read goes past the block table (those lanes are masked).
     for (int64_t j = 0; j < padded + 16; ++j) {
       const int64_t pos = chunk0 + std::min(j, chunk_keys - 1);
-      key_offset[j] = table[pos / bs] * block_stride + pos % bs * kRow;
+      key_offset[j] = travelator::kv_row(table[pos / bs], 0, pos % bs, num_kv_heads, bs) * kRow;  // head 0's row
     }
-    for (int64_t h = w.first_head; h < w.end_head; ++h) prefetch_keys(k_cache + h * head_stride, key_offset.data(), kRow * static_cast<int64_t>(sizeof(cache_t)));
+    for (int64_t h = w.first_head; h < w.end_head; ++h)
+      prefetch_keys(k_cache + h * head_stride, key_offset.data(), kRow * static_cast<int64_t>(sizeof(cache_t)));
     // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
     // every row that sees at least one of them.
     for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
@@ -506,7 +508,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
     const int64_t valid = std::min(C, n_keys - key0);
     for (int64_t j = 0; j < valid; ++j) {
       const int64_t pos = key0 + j;
-      const int64_t offset = ((table[pos / bs] * num_kv_heads + kv_head) * bs + pos % bs) * kRow;
+      const int64_t offset = travelator::kv_row(table[pos / bs], kv_head, pos % bs, num_kv_heads, bs) * kRow;
       krows[j] = k_cache + offset;
       vrows[j] = v_cache + offset;
       kscale[j] = row_scale(krows[j], D);
@@ -668,7 +670,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       // Keys past nk repeat the last one (in bounds; masked below).
       for (int64_t j = 0; j < nk8; ++j) {
         const int64_t pos = chunk0 + std::min(j, nk - 1);
-        key_offset[j] = ((table[pos / bs] * num_kv_heads + h) * bs + pos % bs) * D;
+        key_offset[j] = travelator::kv_row(table[pos / bs], h, pos % bs, num_kv_heads, bs) * D;
       }
       // (1) scores, 8 keys x 16 rows at a time: s[j][row].
       for (int64_t rb = 0; rb < nrb; ++rb) {
