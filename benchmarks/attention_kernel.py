@@ -12,10 +12,10 @@ calls, per layer.
 from __future__ import annotations
 
 import random
-import statistics
-import time
 
 import torch
+
+from bench_timing import median_seconds
 
 from travelator import kernels
 from travelator.model import kv_cache
@@ -24,13 +24,7 @@ REQUESTS, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 64, 256, 8, 4, 64,
 
 
 def per_layer_us(fn) -> float:
-    fn()
-    times = []
-    for _ in range(15):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) / LAYERS)
-    return statistics.median(times) * 1e6
+    return median_seconds(fn, 15) / LAYERS * 1e6
 
 
 def main() -> None:

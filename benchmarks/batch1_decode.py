@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from bench_timing import median_seconds
+
 from travelator import LLM, SamplingParams
 
 PEERS = Path(__file__).resolve().parent.parent.parent / "shared" / "peers"
@@ -57,13 +59,7 @@ def weight_bytes_per_decode(model) -> int:
 def stream_seconds(nbytes: int, repeats: int) -> float:
     """Median time to read ``nbytes`` from memory with every thread."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(buf.sum, repeats)
 
 
 def main() -> None:

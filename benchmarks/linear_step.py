@@ -12,10 +12,10 @@ with AVX512-BF16 and no AMX.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from bench_timing import median_seconds
 
 from travelator import kernels
 from travelator.model.ops import blocked_linear_weight
@@ -23,14 +23,8 @@ from travelator.model.ops import blocked_linear_weight
 PRESETS = {"50m": (512, 1408, 256, 8), "250m": (1024, 2816, 512, 16)}  # hidden, intermediate, KV width, layers
 
 
-def median_ms(fn, repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def median_ms(fn) -> float:
+    return median_seconds(fn, 9) * 1e3
 
 
 def main() -> None:

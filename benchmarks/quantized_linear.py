@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
+
+from bench_timing import median_seconds
 
 from travelator.model.device import cpu_model_name
 from travelator.model.ops import NativeOps, TorchOps
@@ -41,16 +41,6 @@ def torch_int4(w: Int4Weight):
     scale, zero = w.group_params()
     scales_zeros = torch.stack([scale.T, zero.T], dim=-1).bfloat16().contiguous()
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, w.group_size, scales_zeros)
-
-
-def timed(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -97,7 +87,7 @@ def main() -> None:
             def run_all(ws=ws, linear=linear):
                 for w in ws:
                     linear(x, w)
-            ms[kind] = timed(run_all, args.repeats) / len(ws) * 1e3
+            ms[kind] = median_seconds(run_all, args.repeats) / len(ws) * 1e3
         print(f"{m:>5} " + " ".join(f"{ms[k]:>16.3f}" for k in kinds)
               + f"   {ms['bf16'] / ms['int8']:>10.2f}x   {ms['bf16'] / ms['int4']:>10.2f}x", flush=True)
 
