@@ -161,8 +161,9 @@ def test_small_m_linear_against_float64(n, k):
 @pytest.mark.parametrize("biased", [False, True])
 def test_blocked_linear_against_float64(n, k, biased):
     """blocked_linear over its weight layout: float64's product within bf16 rounding, at row
-    counts around its 6-row micro-kernel and past 128, with k over several 256-pair passes
-    (1408) and an odd number of pairs (1030); a row's result never depends on the other rows."""
+    counts around its 6-row micro-kernel and past 128, with k over several passes (1408: 64-pair
+    passes up to 18 rows, 256-pair ones past) and an odd number of pairs (1030); rows dealt
+    out unevenly (7: 4 + 3, 13: 5 + 4 + 4); a row's result never depends on the other rows."""
     from travelator.model.ops import blocked_linear_weight
 
     g = torch.Generator().manual_seed(n + k)

@@ -6,13 +6,14 @@
 //
 // The micro-kernel keeps 6 rows x 64 columns of sums in 24 registers; per pair of k it
 // loads 4 weight vectors and broadcasts each row's pair of x. Blocks of 64 columns are
-// split over threads; k is taken kKeyPairs pairs at a time (a 64 KB slice of a block, kept
-// in L2 while every row passes over it), and while a slice is computed the next one is
-// asked for into L2: a decode step's few rows then compute while the weights stream in,
-// where without it the two took turns. On a 2-core Zen 5, against oneDNN's packed bf16
-// GEMM: 1.1-1.3x over a decode step's weights streamed from memory at 8-64 rows, 1.0-2.2x
-// with the weights in cache, 0.9-1.0x past 512 rows (docs/benchmarks.md). oneDNN's AMX
-// GEMM is far faster on CPUs that have AMX: there this kernel is not built.
+// split over threads; k is taken a slice of a block at a time (16 KB, kept in L1, for up
+// to 18 rows; 64 KB, kept in L2, past that), every group of rows passing over it, and
+// while a slice is computed the next one is asked for into L2: a decode step's few rows
+// then compute while the weights stream in, where without it the two took turns. On a
+// 2-core Zen 5, against oneDNN's packed bf16 GEMM: 1.1-1.5x over a decode step's weights
+// streamed from memory at 1-64 rows, 1.0-2.2x with the weights in cache, 0.9-1.0x past
+// 512 rows (docs/benchmarks.md). oneDNN's AMX GEMM is far faster on CPUs that have AMX:
+// there this kernel is not built.
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -36,6 +37,11 @@ namespace {
 constexpr int64_t kCols = 64;  // output columns of a block: four 16-lane vectors
 constexpr int64_t kRows = 6;   // rows of x a micro-kernel call takes: 24 accumulators
 constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes: 64 KB of a block
+// With at most kFewGroups groups of rows, a pass takes kFewGroupPairs pairs (16 KB), which
+// stays in L1 while the groups after the first pass over it: measured 1.1-1.4x at 8-16 rows.
+// More groups amortise their accumulators' loads and stores better over the longer pass.
+constexpr int64_t kFewGroups = 3;
+constexpr int64_t kFewGroupPairs = 64;
 constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
 
 // acc[r][0..64) += sum over pairs p < n_pairs of x[r] pair p . w pair p, R rows.
@@ -102,21 +108,28 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
     std::vector<float> acc(std::min(M, row_tile) * kCols);
     for (int64_t t0 = 0; t0 < M; t0 += row_tile) {
       const int64_t tile_rows = std::min(row_tile, M - t0);
+      const int64_t groups = (tile_rows + kRows - 1) / kRows;
+      const int64_t pass_pairs = groups <= kFewGroups ? kFewGroupPairs : kKeyPairs;
       for (int64_t nb = begin; nb < end; ++nb) {
         const __m512bh* block = wp + nb * K2 * 4;  // 4 vectors a pair
         std::fill(acc.begin(), acc.begin() + tile_rows * kCols, 0.0f);
-        for (int64_t p0 = 0; p0 < K2; p0 += kKeyPairs) {
-          const int64_t n_pairs = std::min(kKeyPairs, K2 - p0);
+        for (int64_t p0 = 0; p0 < K2; p0 += pass_pairs) {
+          const int64_t n_pairs = std::min(pass_pairs, K2 - p0);
           // The weights after this pass (the next pass, or the next block: they follow in
           // memory, up to the weight's end), asked for into L2 while this pass computes, a
           // share in each group of rows. A vector is a line: 4 lines a pair.
           const __m512bh* next = block + 4 * (p0 + n_pairs);
-          const int64_t lines = std::min<int64_t>(4 * kKeyPairs, w_end - next);
-          const int64_t groups = (tile_rows + kRows - 1) / kRows, share = (lines + groups - 1) / groups;
-          for (int64_t m0 = 0, g = 0; m0 < tile_rows; m0 += kRows, ++g)
-            micro_any(std::min(kRows, tile_rows - m0), xp + (t0 + m0) * K2 + p0, K2, block + 4 * p0, n_pairs,
-                      &acc[m0 * kCols], next + std::min(lines, g * share),
-                      std::max<int64_t>(0, std::min(share, lines - g * share)));
+          const int64_t lines = std::min<int64_t>(4 * pass_pairs, w_end - next);
+          const int64_t share = (lines + groups - 1) / groups;
+          // Rows are dealt out evenly (13 rows: 5, 4, 4, not 6, 6, 1): a group of few rows has
+          // too few independent sums to hide vdpbf16ps's latency, so it costs nearly a full one.
+          const int64_t base = tile_rows / groups, extra = tile_rows % groups;
+          for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+            const int64_t rows = base + (g < extra ? 1 : 0);
+            micro_any(rows, xp + (t0 + m0) * K2 + p0, K2, block + 4 * p0, n_pairs, &acc[m0 * kCols],
+                      next + std::min(lines, g * share), std::max<int64_t>(0, std::min(share, lines - g * share)));
+            m0 += rows;
+          }
         }
         for (int64_t m = 0; m < tile_rows; ++m)
           for (int64_t j = 0; j < 4; ++j) {
