@@ -137,6 +137,22 @@ def test_indivisible_heads_are_refused():
         LLM("dummy:tiny", tensor_parallel_size=3)
 
 
+def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypatch):
+    """On CUDA each rank takes cuda:LOCAL_RANK. With one GPU visible, two ranks are refused
+    with the reason (on a one-GPU machine rank 1 used to die on "invalid device ordinal",
+    and the engine reported only that a worker had died)."""
+    from travelator.distributed.worker import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    launched = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: launched.append(a))
+    with pytest.raises(ValueError, match="2 ranks on this machine, 1 GPU"):
+        LLM("dummy:tiny", device="cuda", tensor_parallel_size=2)
+    assert launched == []
+    with pytest.raises(ValueError, match="2 ranks on this machine, 1 GPU"):
+        rank_device("cuda", 1)  # a torchrun worker's own check
+
+
 def test_killed_worker_fails_the_engine_fast():
     llm = LLM("dummy:tiny", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     engine = llm.engine
