@@ -141,15 +141,16 @@ def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypa
     """On CUDA each rank takes cuda:LOCAL_RANK. With one GPU visible, two ranks are refused
     with the reason (on a one-GPU machine rank 1 used to die on "invalid device ordinal",
     and the engine reported only that a worker had died)."""
+    from travelator.distributed.executor import TPExecutor
     from travelator.distributed.worker import rank_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     launched = []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(TPExecutor, "_launch", lambda self, *a: launched.append(a))
     with pytest.raises(ValueError, match="2 ranks on this machine, 1 GPU"):
         LLM("dummy:tiny", device="cuda", tensor_parallel_size=2)
     assert launched == []
-    with pytest.raises(ValueError, match="2 ranks on this machine, 1 GPU"):
+    with pytest.raises(ValueError, match="LOCAL_RANK 1 needs cuda:1, 1 GPU"):
         rank_device("cuda", 1)  # a torchrun worker's own check
 
 

@@ -61,7 +61,9 @@ def check_gpus_for_ranks(device_type: str, local_ranks: int) -> None:
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
-        check_gpus_for_ranks(device_type, local_rank + 1)
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"tensor parallelism on CUDA puts each rank on its own GPU: LOCAL_RANK "
+                             f"{local_rank} needs cuda:{local_rank}, {torch.cuda.device_count()} GPU(s) visible")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return device

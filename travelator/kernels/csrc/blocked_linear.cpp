@@ -6,13 +6,13 @@
 //
 // The micro-kernel keeps 6 rows x 64 columns of sums in 24 registers; per pair of k it
 // loads 4 weight vectors and broadcasts each row's pair of x. Blocks of 64 columns are
-// split over threads; k is taken a slice of a block at a time (16 KB, kept in L1, for up
-// to 18 rows; 64 KB, kept in L2, past that), every group of rows passing over it, and
-// while a slice is computed the next one is asked for into L2: a decode step's few rows
-// then compute while the weights stream in, where without it the two took turns. On a
-// 2-core Zen 5, against oneDNN's packed bf16 GEMM: 1.1-1.5x over a decode step's weights
-// streamed from memory at 1-64 rows, 1.0-2.2x with the weights in cache, 0.9-1.0x past
-// 512 rows (docs/benchmarks.md). oneDNN's AMX GEMM is far faster on CPUs that have AMX:
+// split over threads; k is taken a slice of a block at a time (16 KB, kept in L1, for a
+// tile of up to three groups of rows; 64 KB, kept in L2, past that), every group of rows
+// passing over it, and while a slice is computed the next one is asked for into L2: a
+// decode step's few rows then compute while the weights stream in, where without it the
+// two took turns. On a 2-core Zen 5, against oneDNN's packed bf16 GEMM: 1.0-1.7x over a
+// decode step's weights streamed from memory at 1-64 rows, 1.0-2.2x with the weights in
+// cache, 0.9-1.0x past 512 rows (docs/benchmarks.md). oneDNN's AMX GEMM is far faster on CPUs that have AMX:
 // there this kernel is not built.
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
@@ -38,8 +38,9 @@ constexpr int64_t kCols = 64;  // output columns of a block: four 16-lane vector
 constexpr int64_t kRows = 6;   // rows of x a micro-kernel call takes: 24 accumulators
 constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes: 64 KB of a block
 // With at most kFewGroups groups of rows, a pass takes kFewGroupPairs pairs (16 KB), which
-// stays in L1 while the groups after the first pass over it: measured 1.1-1.4x at 8-16 rows.
-// More groups amortise their accumulators' loads and stores better over the longer pass.
+// stays in L1 while the groups after the first pass over it (12 rows, 6 + 6, where only the
+// slice changed: 1.12x over a 50M step's weights). More groups amortise their accumulators'
+// loads and stores better over the longer pass (1-4% at 24-64 rows).
 constexpr int64_t kFewGroups = 3;
 constexpr int64_t kFewGroupPairs = 64;
 constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
