@@ -12,8 +12,8 @@
 // decode step's few rows then compute while the weights stream in, where without it the
 // two took turns. On a 2-core Zen 5, against oneDNN's packed bf16 GEMM: 1.0-1.7x over a
 // decode step's weights streamed from memory at 1-64 rows, 1.0-2.2x with the weights in
-// cache, 0.9-1.0x past 512 rows (docs/benchmarks.md). oneDNN's AMX GEMM is far faster on CPUs that have AMX:
-// there this kernel is not built.
+// cache, 0.9-1.0x past 512 rows (docs/benchmarks.md). oneDNN's AMX GEMM is far faster on
+// CPUs that have AMX: there this kernel is not built.
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -36,7 +36,7 @@ namespace {
 
 constexpr int64_t kCols = 64;  // output columns of a block: four 16-lane vectors
 constexpr int64_t kRows = 6;   // rows of x a micro-kernel call takes: 24 accumulators
-constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes: 64 KB of a block
+constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes (64 KB of a block), past kFewGroups groups
 // With at most kFewGroups groups of rows, a pass takes kFewGroupPairs pairs (16 KB), which
 // stays in L1 while the groups after the first pass over it (12 rows, 6 + 6, where only the
 // slice changed: 1.12x over a 50M step's weights). More groups amortise their accumulators'
