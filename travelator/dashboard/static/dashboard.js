@@ -278,6 +278,9 @@ function startReplay(replay) {
       run.panel.dirty = true;
     }
     const done = runs.every((run) => run.next >= run.records.length);
+    // "done" is said once the panels show the last records, not a frame before (a short run
+    // ends within one tick, before the next animation frame has drawn anything).
+    if (done) for (const run of runs) run.panel.render();
     statusLine.textContent = `${replay.title || "replay"} · ${clock.toFixed(1)} s` + (done ? " · done" : "");
   }, 50);
 }
