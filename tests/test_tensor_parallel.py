@@ -147,7 +147,7 @@ def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     launched = []
     monkeypatch.setattr(TPExecutor, "_launch", lambda self, *a: launched.append(a))
-    with pytest.raises(ValueError, match="2 ranks on this machine, 1 GPU"):
+    with pytest.raises(ValueError, match="LOCAL_RANK 1 needs cuda:1, 1 GPU"):
         LLM("dummy:tiny", device="cuda", tensor_parallel_size=2)
     assert launched == []
     with pytest.raises(ValueError, match="LOCAL_RANK 1 needs cuda:1, 1 GPU"):

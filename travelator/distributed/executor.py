@@ -39,7 +39,7 @@ from travelator.distributed.comm import (
     connect_store,
     launch_env,
 )
-from travelator.distributed.worker import STOP, Worker, WorkerSpec, check_gpus_for_ranks, rank_device, run_worker
+from travelator.distributed.worker import STOP, Worker, WorkerSpec, check_gpu_for_rank, rank_device, run_worker
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner
@@ -152,7 +152,7 @@ class TPExecutor:
                env: LaunchEnv | None) -> None:
         t0 = time.perf_counter()
         if env is None:  # launch the workers on this machine
-            check_gpus_for_ranks(spec.device_type, self.size)
+            check_gpu_for_rank(spec.device_type, self.size - 1)
             timeout = datetime.timedelta(seconds=DATA_TIMEOUT_S)
             server = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timeout,
                                    wait_for_workers=False)

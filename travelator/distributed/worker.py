@@ -50,20 +50,18 @@ class WorkerSpec:
     lm_head_quantization: str = "auto"
 
 
-def check_gpus_for_ranks(device_type: str, local_ranks: int) -> None:
-    """On CUDA each rank of this machine takes its own GPU (cuda:LOCAL_RANK): refuse, before
-    any worker starts, more ranks than visible GPUs (else a worker dies on "invalid device
-    ordinal" and the driver only learns that it died)."""
-    if device_type == "cuda" and local_ranks > torch.cuda.device_count():
-        raise ValueError(f"tensor parallelism on CUDA puts each rank on its own GPU: {local_ranks} ranks "
-                         f"on this machine, {torch.cuda.device_count()} GPU(s) visible")
+def check_gpu_for_rank(device_type: str, local_rank: int) -> None:
+    """On CUDA each rank of a machine takes its own GPU, cuda:LOCAL_RANK: refuse a rank with
+    no GPU of its own (else it dies on "invalid device ordinal" and the driver only learns
+    that it died). The driver asks for its highest local rank before launching any worker."""
+    if device_type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor parallelism on CUDA puts each rank on its own GPU: LOCAL_RANK "
+                         f"{local_rank} needs cuda:{local_rank}, {torch.cuda.device_count()} GPU(s) visible")
 
 
 def rank_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"tensor parallelism on CUDA puts each rank on its own GPU: LOCAL_RANK "
-                             f"{local_rank} needs cuda:{local_rank}, {torch.cuda.device_count()} GPU(s) visible")
+        check_gpu_for_rank(device_type, local_rank)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return device
