@@ -109,7 +109,10 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
     std::vector<float> acc(std::min(M, row_tile) * kCols);
     for (int64_t t0 = 0; t0 < M; t0 += row_tile) {
       const int64_t tile_rows = std::min(row_tile, M - t0);
+      // Rows are dealt out evenly (13 rows: 5, 4, 4, not 6, 6, 1): a group of few rows has
+      // too few independent sums to hide vdpbf16ps's latency, so it costs nearly a full one.
       const int64_t groups = (tile_rows + kRows - 1) / kRows;
+      const int64_t base = tile_rows / groups, extra = tile_rows % groups;
       const int64_t pass_pairs = groups <= kFewGroups ? kFewGroupPairs : kKeyPairs;
       for (int64_t nb = begin; nb < end; ++nb) {
         const __m512bh* block = wp + nb * K2 * 4;  // 4 vectors a pair
@@ -122,9 +125,6 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
           const __m512bh* next = block + 4 * (p0 + n_pairs);
           const int64_t lines = std::min<int64_t>(4 * pass_pairs, w_end - next);
           const int64_t share = (lines + groups - 1) / groups;
-          // Rows are dealt out evenly (13 rows: 5, 4, 4, not 6, 6, 1): a group of few rows has
-          // too few independent sums to hide vdpbf16ps's latency, so it costs nearly a full one.
-          const int64_t base = tile_rows / groups, extra = tile_rows % groups;
           for (int64_t g = 0, m0 = 0; g < groups; ++g) {
             const int64_t rows = base + (g < extra ? 1 : 0);
             micro_any(rows, xp + (t0 + m0) * K2 + p0, K2, block + 4 * p0, n_pairs, &acc[m0 * kCols],
