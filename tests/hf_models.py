@@ -32,7 +32,7 @@ def _save_tokenizer(path: Path) -> None:
 
 def build_checkpoint(path: Path, family: str, **overrides) -> Path:
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -44,6 +44,7 @@ def build_checkpoint(path: Path, family: str, **overrides) -> Path:
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[family]
     torch.manual_seed(0)
     model = cls[1](cls[0](**common)).eval()

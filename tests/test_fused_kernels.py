@@ -33,6 +33,29 @@ def test_rms_norm_and_residual(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 256, 40])  # 40: a partial vector at the end of a head
+def test_head_rms_norm_in_place_through_a_view(dtype, head_dim):
+    """Qwen3's q/k norm: every head of a [T, H, D] view into a fused QKV row normalised in
+    place, against float64 arithmetic (and the torch RMSNorm the torch path runs); the rest of
+    the row (here the values) is left as it was."""
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 19, 6, 2
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(dtype)
+    weight = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    values_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    x64 = q.double()
+    want = weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    norm = RMSNorm(head_dim, 1e-6, dtype)
+    norm.weight.data = weight
+    torch_layer = norm(q)
+    ops.head_rms_norm_(q, weight, 1e-6)
+    torch.testing.assert_close(q.double(), want, **TOL[dtype])
+    torch.testing.assert_close(q, torch_layer, **TOL[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], values_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter", [1408, 100])  # 100: a partial vector at the end of a row
 def test_silu_and_mul(dtype, inter):
     gate_up = (torch.randn(33, 2 * inter, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)

@@ -81,6 +81,23 @@ def test_the_layer_stack_adds_a_layers_bias(tmp_path, quantization):
     assert used > 0 and stacked == python
 
 
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_the_layer_stack_norms_qwen3_heads(tmp_path, quantization):
+    """Qwen3's per-head q/k norms run in the stack as in the Python layers (with random norm
+    weights: transformers initialises them to ones)."""
+    path = build_checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32)
+    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
+    if LayerStack.of(llm.engine.runner.model) is None:
+        pytest.skip("no bf16 kernel streams these layers on this CPU")
+    g = torch.Generator().manual_seed(0)
+    for layer in llm.engine.runner.model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.copy_((torch.rand(norm.weight.shape, generator=g) + 0.5).to(norm.weight.dtype))
+    python, _ = _generate(llm, use_stack=False)
+    stacked, used = _generate(llm, use_stack=True)
+    assert used > 0 and stacked == python
+
+
 def test_steps_the_stack_does_not_cover_run_the_python_layers():
     """A bf16 prompt (more rows than small_m_linear takes) never reaches the stack."""
     llm = LLM("dummy:tiny", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)

@@ -1,4 +1,4 @@
-"""travelator against transformers on tiny random-init Llama, Qwen2 and Mistral models:
+"""travelator against transformers on tiny random-init Llama, Qwen2, Qwen3 and Mistral models:
 logits and greedy tokens, alone and mixed in batches with staggered arrivals,
 chunked prefill and preemption."""
 
@@ -18,6 +18,9 @@ FAMILIES = {
     "llama": {},
     "qwen2": {},
     "mistral": {"sliding_window": 4096},
+    # Per-head q/k RMSNorm, tied embeddings as on the small Qwen3 sizes, and a head_dim that is
+    # not hidden / heads (Qwen3-0.6B: 1024 / 16 heads with head_dim 128).
+    "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
     # Llama 3 style: tied embeddings and llama3 rope scaling.
     "llama3": {"tie_word_embeddings": True, "rope_theta": 500000.0,
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

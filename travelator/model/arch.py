@@ -1,5 +1,8 @@
-"""The shape of a Llama-family model, read from a HF config.json or GGUF metadata,
-plus built-in presets of realistic shapes for random-weight benchmarks."""
+"""The shape of a decoder model, read from a HF config.json or GGUF metadata, plus built-in
+presets of realistic shapes for random-weight benchmarks.
+
+``SUPPORTED_ARCHITECTURES`` is the one registry of what loads: a HF config's ``architectures``
+entry and a GGUF file's ``general.architecture`` name the same family."""
 
 from __future__ import annotations
 
@@ -10,12 +13,22 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Families whose attention normalises each query and key head (RMSNorm over head_dim) before rope.
+QK_NORM_FAMILIES = ("qwen3",)
+
+
+def unsupported_architecture(name: object) -> ValueError:
+    return ValueError(f"unsupported architecture {name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)} "
+                      f"(HF config), {sorted(GGUF_ARCHITECTURES)} (GGUF)")
 
 
 @dataclass(slots=True, frozen=True)
 class ModelArch:
-    family: str  # "llama", "mistral" or "qwen2"
+    family: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,6 +43,7 @@ class ModelArch:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rope
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -43,7 +57,7 @@ class ModelArch:
     def num_parameters(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + lm_head
 
@@ -54,10 +68,7 @@ class ModelArch:
         if family is None:
             family = cfg.get("model_type")
             if family not in SUPPORTED_ARCHITECTURES.values():
-                raise ValueError(
-                    f"unsupported architecture {archs or family!r}; supported: "
-                    f"{sorted(SUPPORTED_ARCHITECTURES)}"
-                )
+                raise unsupported_architecture(archs or family)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -80,6 +91,7 @@ class ModelArch:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or cfg.get("attention_bias", False),
             sliding_window=window,
+            qk_norm=family in QK_NORM_FAMILIES,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

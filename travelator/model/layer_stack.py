@@ -25,6 +25,7 @@ class LayerStack:
     """The per-layer arguments of ``decoder_layers``, gathered once from a model."""
 
     norms: list[torch.Tensor]  # per layer input and post-attention norm weights, then the final norm
+    head_norms: list[torch.Tensor]  # per layer the q and k head norm weights (Qwen3), else empty
     linear_tensors: list[torch.Tensor | None]  # per linear layer (a, b, bias), see csrc/layer_stack.cpp
     linear_ints: list[int]  # per linear layer (route, group, out_features)
     quantized: frozenset[bool]  # which kinds of weights it holds (their row limits differ)
@@ -41,10 +42,12 @@ class LayerStack:
         ops = model.ops
         if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
             return None
-        norms, tensors, ints, kinds = [], [], [], set()
+        norms, head_norms, tensors, ints, kinds = [], [], [], [], set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_norm.weight, layer.post_attn_norm.weight]
+            if attn.q_norm is not None:
+                head_norms += [attn.q_norm.weight, attn.k_norm.weight]
             for weight, bias in ((attn.qkv_weight, attn.qkv_bias), (attn.o_weight, None),
                                  (mlp.gate_up_weight, None), (mlp.down_weight, None)):
                 spec = ops.streaming_linear(weight, bias)
@@ -55,7 +58,7 @@ class LayerStack:
                 kinds.add(spec.quantized)
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn
-        return LayerStack(norms, tensors, ints, frozenset(kinds), model.dtype, first.num_heads,
+        return LayerStack(norms, head_norms, tensors, ints, frozenset(kinds), model.dtype, first.num_heads,
                           first.num_kv_heads, first.head_dim, model.layers[0].input_norm.eps, first.attn.scale)
 
     def covers(self, ops, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

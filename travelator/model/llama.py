@@ -1,4 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2) written for flat batches.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) written for flat batches.
+
+Qwen3 is Llama with each query and key head RMS-normalised before rope (``ModelArch.qk_norm``).
 
 Selective batching: embedding, norms, the fused QKV and output projections, the
 MLP and the LM head run once over all tokens of all requests in the step; only
@@ -42,7 +44,8 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    """Fused QKV projection, rope, paged attention over the KV cache, output projection."""
+    """Fused QKV projection, per-head q/k norm (Qwen3), rope, paged attention over the KV
+    cache, output projection."""
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
                  tp: TPGroup | None = None) -> None:
@@ -57,6 +60,8 @@ class Attention(nn.Module):
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if arch.attention_bias else None
         self.o_weight = _param(h, self.q_size, dtype=dtype)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
 
     def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
@@ -66,6 +71,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.ops.head_rms_norm(q, self.q_norm), self.ops.head_rms_norm(k, self.k_norm)
         q, k = self.ops.rope(positions, q, k, rope)
         attn = self.attn(q, k, v, k_cache, v_cache, meta)
         o = self.ops.linear(attn.reshape(t, self.q_size), self.o_weight)
@@ -371,6 +378,8 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
     "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
     "self_attn.o_proj.weight": ("self_attn.o_weight", None),
+    "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
+    "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
     "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_weight", 1),
@@ -394,6 +403,8 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             p + "self_attn.qkv_weight": Shard(0, (q, kv, kv)),  # column-parallel: own heads
             p + "self_attn.qkv_bias": Shard(0, (q, kv, kv)),
             p + "self_attn.o_weight": Shard(1, (q,)),  # row-parallel, then all-reduce
+            p + "self_attn.q_norm.weight": replicated,  # over head_dim: the same on every rank
+            p + "self_attn.k_norm.weight": replicated,
             p + "post_attn_norm.weight": replicated,
             p + "mlp.gate_up_weight": Shard(0, (inter, inter)),
             p + "mlp.down_weight": Shard(1, (inter,)),
@@ -403,6 +414,8 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             p + "self_attn.qkv_weight": (q + 2 * kv, h),
             p + "self_attn.qkv_bias": (q + 2 * kv,),
             p + "self_attn.o_weight": (h, q),
+            p + "self_attn.q_norm.weight": (arch.head_dim,),
+            p + "self_attn.k_norm.weight": (arch.head_dim,),
             p + "post_attn_norm.weight": (h,),
             p + "mlp.gate_up_weight": (2 * inter, h),
             p + "mlp.down_weight": (h, inter),

@@ -1,6 +1,7 @@
 """Find a model's shape, weights and tokenizer from what the user points at:
 a HF-layout directory (config.json, *.safetensors, tokenizer files), a GGUF file of
-the llama architecture, or ``dummy:<preset>`` (random weights of a built-in shape).
+an architecture in ``arch.GGUF_ARCHITECTURES``, or ``dummy:<preset>`` (random weights of a
+built-in shape).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from travelator.model.arch import ModelArch, preset
+from travelator.model.arch import GGUF_ARCHITECTURES, QK_NORM_FAMILIES, ModelArch, preset, unsupported_architecture
 from travelator.model.quant import BlockQuantized, parse_gguf_blocks
 from travelator.model.tokenizer import Tokenizer
 
@@ -104,6 +105,8 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -119,26 +122,33 @@ def _open_gguf(path: Path) -> ModelSource:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
-    family = field("general.architecture")
-    if family != "llama":
-        raise ValueError(f"GGUF architecture {family!r} is not supported (only 'llama')")
+    name = field("general.architecture")
+    family = GGUF_ARCHITECTURES.get(name)
+    if family is None:
+        raise unsupported_architecture(name)
+
+    def arch_field(key: str, default=None):  # "llama.block_count", "qwen3.block_count", ...
+        return field(f"{name}.{key}", default)
+
     tensor_names = {t.name for t in reader.tensors}
-    n_heads = int(field("llama.attention.head_count"))
-    hidden = int(field("llama.embedding_length"))
+    n_heads = int(arch_field("attention.head_count"))
+    hidden = int(arch_field("embedding_length"))
     tokenizer = Tokenizer.from_gguf(reader)
     arch = ModelArch(
-        family="llama",
-        vocab_size=int(field("llama.vocab_size", tokenizer.vocab_size)),
+        family=family,
+        vocab_size=int(arch_field("vocab_size", tokenizer.vocab_size)),
         hidden_size=hidden,
-        intermediate_size=int(field("llama.feed_forward_length")),
-        num_layers=int(field("llama.block_count")),
+        intermediate_size=int(arch_field("feed_forward_length")),
+        num_layers=int(arch_field("block_count")),
         num_heads=n_heads,
-        num_kv_heads=int(field("llama.attention.head_count_kv", n_heads)),
-        head_dim=int(field("llama.attention.key_length", hidden // n_heads)),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(field("llama.context_length", 2048)),
+        num_kv_heads=int(arch_field("attention.head_count_kv", n_heads)),
+        head_dim=int(arch_field("attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(arch_field("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(arch_field("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=family in QK_NORM_FAMILIES,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
     )
@@ -148,7 +158,8 @@ def _open_gguf(path: Path) -> ModelSource:
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """GGUF Q/K rows rotate adjacent pairs; put them in the rotate-halves layout."""
+    """A llama GGUF's Q/K rows rotate adjacent pairs (llama.cpp's converter permutes them);
+    put them back in the rotate-halves layout. Qwen2/Qwen3 files keep HF's layout."""
     out_dim = w.shape[0]
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -160,6 +171,8 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
     dequantized here."""
     import gguf
 
+    permuted = arch.family == "llama"  # see _unpermute_rope
+
     kinds = gguf.GGMLQuantizationType
     kept = {kinds.Q8_0: "q8_0", kinds.Q6_K: "q6_k", kinds.Q4_0: "q4_0", kinds.Q4_1: "q4_1", kinds.Q4_K: "q4_k"}
     warned: set[str] = set()
@@ -170,7 +183,7 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
         if linear and t.tensor_type in kept:
             blocks = parse_gguf_blocks(t.data, kept[t.tensor_type], *shape)
             name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
-            if parts[2] in ("attn_q", "attn_k"):
+            if permuted and parts[2] in ("attn_q", "attn_k"):
                 heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
                 order = _unpermute_rope(np.arange(shape[0])[:, None], heads)[:, 0]
                 blocks = blocks.rows(torch.from_numpy(order.copy()))
@@ -192,9 +205,9 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
             name = "lm_head.weight"
         elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
             name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            if parts[2] == "attn_q":
+            if permuted and parts[2] == "attn_q":
                 arr = _unpermute_rope(arr, arch.num_heads)
-            elif parts[2] == "attn_k":
+            elif permuted and parts[2] == "attn_k":
                 arr = _unpermute_rope(arr, arch.num_kv_heads)
         elif t.name == "rope_freqs.weight":
             raise ValueError("GGUF files with rope_freqs tensors are not supported")

@@ -120,6 +120,11 @@ class TorchOps:
         x = x + delta
         return x, norm(x)
 
+    def head_rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """``norm`` over the last dimension of every head of x [T, heads, head_dim] (Qwen3's
+        q/k norm); the native kernel writes x in place, through a view of the QKV output."""
+        return norm(x)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
 
@@ -253,7 +258,7 @@ class NativeOps(TorchOps):
         """Every decoder layer in one native call (``stack``: a model/layer_stack.LayerStack)."""
         return self._ops.decoder_layers(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.query_start, meta.seq_lens,
-            meta.block_tables, stack.norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
+            meta.block_tables, stack.norms, stack.head_norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
             stack.linear_tensors, stack.linear_ints, stack.num_heads, stack.num_kv_heads, stack.head_dim,
             stack.eps, stack.scale, meta.tiled_prefill)
 
@@ -319,6 +324,10 @@ class NativeOps(TorchOps):
     def add_rms_norm(self, x, delta, norm):
         normed = self._ops.add_rms_norm_(x, delta, norm.weight, norm.eps)  # x += delta in place
         return x, normed
+
+    def head_rms_norm(self, x, norm):
+        self._ops.head_rms_norm_(x, norm.weight, norm.eps)
+        return x
 
     def silu_and_mul(self, gate_up):
         return self._ops.silu_and_mul(gate_up)

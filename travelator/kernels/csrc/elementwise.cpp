@@ -179,6 +179,28 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
   return out;
 }
 
+// In place over every head of x [T, H, D] (rows of D contiguous, any row strides: a view of
+// the QKV projection's output): each head's D numbers normalised as rms_norm normalises a row
+// (Qwen3's per-head q/k norm).
+void head_rms_norm_(at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "head_rms_norm_: expected [T, H, D] with contiguous heads");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(2),
+              "head_rms_norm_: bad weight");
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  dispatch_float_types(x, "head_rms_norm_", [&](auto tag) {
+    using T = decltype(tag);
+    T* base = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        T* head = base + (i / heads) * token_stride + (i % heads) * head_stride;
+        norm_row(head, wp, head, d, static_cast<float>(eps));  // each element read before it is written
+      }
+    });
+  });
+}
+
 template <typename T>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
@@ -551,6 +573,7 @@ void apply_token_bitmask_(at::Tensor& logits, const at::Tensor& masks, const at:
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("head_rms_norm_(Tensor(a!) x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
@@ -559,6 +582,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("exponential_race(Tensor scores, Tensor seeds) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
+  m.impl("head_rms_norm_", c10::DispatchKey::CPU, &head_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
   m.impl("write_kv_", c10::DispatchKey::CPU, &write_kv_);

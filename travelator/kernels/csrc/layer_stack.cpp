@@ -12,7 +12,8 @@
 //   route 1: int8, a packed, b scales; route 2: int4, a packed, b scales_zeros, group
 //   route 3: bf16 weight a laid out for blocked_linear (bias or not)
 // Layer l's linear layers are 4 l .. 4 l + 3: QKV, output, gate/up, down; its norms are
-// norms[2 l] (input) and norms[2 l + 1] (after attention), and the last norm the model's.
+// norms[2 l] (input) and norms[2 l + 1] (after attention), and the last norm the model's;
+// head_norms is empty, or (Qwen3) per layer the query and the key head norms, 2 l and 2 l + 1.
 
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
@@ -49,6 +50,8 @@ struct Kernels {
   c10::TypedOperatorHandle<T(const T&, const T&, double)> rms_norm = kernel<T(const T&, const T&, double)>("travelator::rms_norm");
   c10::TypedOperatorHandle<T(T&, const T&, const T&, double)> add_rms_norm =
       kernel<T(T&, const T&, const T&, double)>("travelator::add_rms_norm_");
+  c10::TypedOperatorHandle<void(T&, const T&, double)> head_rms_norm =
+      kernel<void(T&, const T&, double)>("travelator::head_rms_norm_");
   c10::TypedOperatorHandle<T(const T&)> silu_and_mul = kernel<T(const T&)>("travelator::silu_and_mul");
   c10::TypedOperatorHandle<void(T&, T&, const T&, const T&, const T&)> rope =
       kernel<void(T&, T&, const T&, const T&, const T&)>("travelator::rope_");
@@ -95,13 +98,15 @@ T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c10::IntA
 // x [T, hidden]: the embedded tokens, the residual stream after (updated in place). Returns
 // the final norm of the residual stream, as LlamaModel.forward does.
 T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& slots, const T& query_start,
-                 const T& seq_lens, const T& block_tables, at::TensorList norms, at::TensorList k_caches,
+                 const T& seq_lens, const T& block_tables, at::TensorList norms, at::TensorList head_norms,
+                 at::TensorList k_caches,
                  at::TensorList v_caches, const c10::List<std::optional<T>>& linear_tensors,
                  c10::IntArrayRef linear_ints, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  double eps, double scale, bool tiled) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
+                  (head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers) &&
                   static_cast<int64_t>(linear_tensors.size()) == 12 * layers &&
                   static_cast<int64_t>(linear_ints.size()) == 12 * layers,
               "decoder_layers: inconsistent layer lists");
@@ -114,6 +119,10 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
     T q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     T key = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
     const T value = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
+    if (!head_norms.empty()) {  // in place, through the views, as NativeOps.head_rms_norm
+      k.head_rms_norm.call(q, head_norms[2 * l], eps);
+      k.head_rms_norm.call(key, head_norms[2 * l + 1], eps);
+    }
     k.rope.call(q, key, positions, cos, sin);  // in place, through the views
     T k_cache = k_caches[l], v_cache = v_caches[l];
     k.write_kv.call(k_cache, v_cache, slots, key, value);  // written before read, as in attention.py
@@ -130,7 +139,7 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("decoder_layers(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor query_start, "
-        "Tensor seq_lens, Tensor block_tables, Tensor[] norms, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+        "Tensor seq_lens, Tensor block_tables, Tensor[] norms, Tensor[] head_norms, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
         "Tensor?[] linear_tensors, int[] linear_ints, int num_heads, int num_kv_heads, int head_dim, float eps, "
         "float scale, bool tiled) -> Tensor");
   m.impl("decoder_layers", c10::DispatchKey::CPU, &decoder_layers);
