@@ -151,6 +151,20 @@ def test_preemption_and_prefix_hits_keep_the_numbers(batching):
         assert batched[i] == alone(req, "bfloat16", True), i
 
 
+def test_qwen3_head_norms_keep_the_mode():
+    """Qwen3 (per-head q/k norms, in the Python layers and in the native layer stack): the same
+    bits alone and in a batch with chunked prefill, preemption and prefix hits."""
+    reqs = mixed_batch(seed=7)
+    reqs += [Req(4, reqs[0].prompt + (5, 6, 7), 6, 3)]  # a prefix hit, sampled
+    llm = LLM("dummy:qwen3-tiny", dtype="bfloat16", batch_invariant=True, block_size=8, num_kv_blocks=24,
+              max_num_batched_tokens=40)
+    batched = run(llm, reqs)
+    assert llm.engine.counters.preemptions > 0 and llm.engine.kv.stats.hit_tokens > 0
+    for i, req in enumerate(reqs):
+        single = LLM("dummy:qwen3-tiny", dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False)
+        assert batched[i] == run(single, [Req(0, req.prompt, req.max_tokens, req.seed)])[0], i
+
+
 def test_the_mode_needs_the_native_kernels():
     with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels"):
         LLM(MODEL, kernels="torch", batch_invariant=True)

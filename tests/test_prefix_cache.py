@@ -128,9 +128,9 @@ from hf_models import build_checkpoint, load_reference, reference_greedy  # noqa
 from travelator import LLM  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = build_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def checkpoint(tmp_path_factory, request):
+    path = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     return path, load_reference(path)
 
 

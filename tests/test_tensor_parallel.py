@@ -51,9 +51,9 @@ def make_requests(n: int, seed: int) -> list[tuple[int, list[int], int]]:
 TIGHT = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_tokens=7)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tp2_matches_tp1_and_transformers(family, tmp_path):
-    overrides = {"tie_word_embeddings": True} if family == "llama" else {}
+    overrides = {"llama": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32}}.get(family, {})
     path = build_checkpoint(tmp_path, family, **overrides)
     reqs = make_requests(10, seed=11)
     one = LLM(str(path), **TIGHT)

@@ -115,6 +115,9 @@ PRESETS: dict[str, ModelArch] = {
     "llama-50m": ModelArch("llama", 32000, 512, 1408, 8, 8, 4, 64, max_position_embeddings=4096),
     # ~250M: hidden 1024, 16 layers, 16 heads, 8 KV heads, intermediate 2816.
     "llama-250m": ModelArch("llama", 32000, 1024, 2816, 16, 16, 8, 64, max_position_embeddings=4096),
+    # Qwen3 of the tiny and 50M shapes: the same layers with per-head q/k norms.
+    "qwen3-tiny": ModelArch("qwen3", 1024, 128, 352, 2, 4, 2, 32, max_position_embeddings=4096, qk_norm=True),
+    "qwen3-50m": ModelArch("qwen3", 32000, 512, 1408, 8, 8, 4, 64, max_position_embeddings=4096, qk_norm=True),
     # The shape of Llama 3.2 1B (tied embeddings, llama3 rope scaling).
     "llama-1b": ModelArch(
         "llama", 128256, 2048, 8192, 16, 32, 8, 64,

@@ -1,0 +1,156 @@
+"""GGUF files of the Qwen2 and Qwen3 architectures (``general.architecture`` qwen2 / qwen3),
+written here in llama.cpp's tensor names from a random-init HF checkpoint, against transformers.
+
+The file is checked first: transformers' own GGUF loader reads it back into the same logits as
+the HF checkpoint it came from, so a wrong name or layout in the writer fails there, not in
+travelator. Then travelator, loading the GGUF, gives transformers' greedy tokens and logprobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_models import build_checkpoint, load_reference, reference_greedy, reference_logprobs
+from travelator import LLM, SamplingParams
+
+# llama.cpp's names of a layer's tensors (HF names without "model.layers.N.").
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+VOCAB = 300  # hf_models' checkpoints
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    """An F32 GGUF of the checkpoint, as llama.cpp's converter lays out Qwen2/Qwen3 (Q/K rows in
+    HF's order: these architectures use NeoX rope), with a byte-fallback SentencePiece vocab."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)  # Qwen3's head_dim is its own (128 by default here, not 64 / 4)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(VOCAB)
+    kinds = gguf.TokenType
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(VOCAB - len(tokens))]
+    types = [kinds.UNKNOWN, kinds.CONTROL, kinds.CONTROL] + [kinds.BYTE] * 256
+    types += [kinds.NORMAL] * (VOCAB - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        else:
+            _, idx, rest = name.split(".", 2)
+            module, _, kind = rest.rpartition(".")
+            gguf_name = f"blk.{idx}.{LAYER_NAMES[module]}.{kind}"
+        w.add_tensor(gguf_name, tensor.float().numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+CASES = {
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {"tie_word_embeddings": True},  # q/k head norms, tied embeddings
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def model(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(arch)
+    hf_dir = build_checkpoint(root / "hf", arch, **CASES[arch])
+    if arch == "qwen2":  # transformers initialises biases to zero: make them count
+        from safetensors.torch import save_file
+
+        weights = load_file(hf_dir / "model.safetensors")
+        g = torch.Generator().manual_seed(1)
+        for name, t in weights.items():
+            if name.endswith(".bias"):
+                weights[name] = torch.randn(t.shape, generator=g) * 0.5
+        save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    if arch == "qwen3":  # and the head norms to ones
+        from safetensors.torch import save_file
+
+        weights = load_file(hf_dir / "model.safetensors")
+        g = torch.Generator().manual_seed(2)
+        for name, t in weights.items():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                weights[name] = torch.rand(t.shape, generator=g) + 0.5
+        save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    path = write_gguf(hf_dir, root / f"{arch}.gguf", arch)
+    return arch, hf_dir, path, load_reference(hf_dir)
+
+
+def test_the_written_file_is_what_transformers_reads_as_the_checkpoint(model):
+    from transformers import AutoModelForCausalLM
+
+    _, _, path, ref = model
+    from_gguf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    tokens = torch.tensor([[1, 7, 99, 250, 3, 18, 42]])
+    with torch.inference_mode():
+        torch.testing.assert_close(from_gguf(tokens).logits, ref(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_travelator_on_the_gguf_matches_transformers(model, kernels):
+    arch, _, path, ref = model
+    llm = LLM(str(path), dtype="float32", kernels=kernels)
+    assert llm.engine.arch.family == arch
+    assert llm.engine.arch.qk_norm == (arch == "qwen3")
+    assert llm.engine.arch.attention_bias == (arch == "qwen2")
+    prompts = [[1, 7, 99, 250, 3, 18, 42], [1] + list(range(40, 90))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        out = result.outputs[0]
+        assert out.token_ids == reference_greedy(ref, prompt, 10)
+        want = reference_logprobs(ref, prompt + out.token_ids)
+        for i, lp in enumerate(out.logprobs):
+            assert lp.logprob == pytest.approx(float(want[len(prompt) - 1 + i][lp.token_id]), abs=2e-4)
+
+
+def test_an_unknown_gguf_architecture_is_named(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"unsupported architecture 'mamba'.*qwen3"):
+        LLM(str(tmp_path / "x.gguf"))
