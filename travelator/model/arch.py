@@ -42,7 +42,10 @@ class ModelArch:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a query sees in the layers window_of names
+    # Per layer "sliding_attention" or "full_attention" (Gemma 3 interleaves them); None: every
+    # layer slides when sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rope
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -52,6 +55,14 @@ class ModelArch:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for rotary embeddings")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of one layer's attention (None: it sees the whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def num_parameters(self) -> int:

@@ -88,10 +88,11 @@ def build_metadata(backend: AttentionBackend, slot_mapping: torch.Tensor, query_
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.window = window  # a query at position p sees keys p - window + 1 .. p (None: 0 .. p)
         self.scale = head_dim**-0.5
 
     def __call__(

@@ -47,7 +47,7 @@ class Attention(nn.Module):
     """Fused QKV projection, per-head q/k norm (Qwen3), rope, paged attention over the KV
     cache, output projection."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps, layer: int,
                  tp: TPGroup | None = None) -> None:
         super().__init__()
         size = tp.size if tp is not None else 1
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.o_weight = _param(h, self.q_size, dtype=dtype)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, window=arch.window_of(layer))
 
     def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
         t = x.shape[0]
@@ -110,12 +110,12 @@ class DecoderLayer(nn.Module):
     so every add rides on a fused add + RMSNorm pass.
     """
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps, layer: int,
                  tp: TPGroup | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype, ops, tp)
+        self.self_attn = Attention(arch, dtype, ops, layer, tp)
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MLP(arch, dtype, ops, tp)
 
@@ -155,7 +155,7 @@ class LlamaModel(nn.Module):
         vocab = self.shards["embed"].local_shape(self.full_shapes["embed"], self.tp_size)[0]
         self.vocab_start = self.tp_rank * vocab  # this rank's slice of the vocabulary
         self.embed = _param(vocab, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.ops, tp) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.ops, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(vocab, arch.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
