@@ -30,9 +30,26 @@ def _save_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
+def phi3_overrides(original: int, maximum: int, partial: float = 0.75, head_dim: int = 32) -> dict:
+    """A Phi-3 config's LongRoPE (random short and long factors, one per rotary pair) and partial
+    rotary (Phi-4-mini's 0.75), pretrained on ``original`` positions and extended to ``maximum``."""
+    import random
+
+    rng = random.Random(0)
+    pairs = int(head_dim * partial) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.5 * rng.random() for _ in range(pairs)],
+            "long_factor": [1.0 + 8 * rng.random() for _ in range(pairs)],
+            "original_max_position_embeddings": original}
+    return dict(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=maximum, original_max_position_embeddings=original,
+                rope_parameters=rope, sliding_window=None, pad_token_id=0)
+
+
 def build_checkpoint(path: Path, family: str, **overrides) -> Path:
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -45,6 +62,7 @@ def build_checkpoint(path: Path, family: str, **overrides) -> Path:
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }[family]
     torch.manual_seed(0)
     model = cls[1](cls[0](**common)).eval()

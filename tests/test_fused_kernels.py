@@ -67,17 +67,32 @@ def test_silu_and_mul(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 40])  # 40: half a head is not a whole vector
-def test_rope(dtype, head_dim):
-    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+# 40: half a head is not a whole vector; (32, 24): partial rotary (Phi-4-mini's 0.75 of a head)
+@pytest.mark.parametrize("head_dim,rotary", [(64, 64), (40, 40), (32, 24), (128, 96)])
+def test_rope(dtype, head_dim, rotary):
+    rope = RotaryEmbedding(rotary, 512, 10000.0, None)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(20, 8, head_dim, generator=g).to(dtype)
     k = torch.randn(20, 4, head_dim, generator=g).to(dtype)
     positions = torch.randint(0, 512, (20,), generator=g)
     want_q, want_k = rope(positions, q, k)
+    # float64: the first rotary numbers turned pair (i, i + rotary / 2) by position * theta^(-2i / rotary)
+    angle = positions.double()[:, None] * 10000.0 ** (-torch.arange(0, rotary, 2).double() / rotary)
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+
+    def exact(x):
+        x = x.double()
+        a, b, rest = x[..., : rotary // 2], x[..., rotary // 2: rotary], x[..., rotary:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin, rest), dim=-1)
+
+    exact_q, exact_k = exact(q), exact(k)
     ops.rope_(q, k, positions, rope.cos, rope.sin)
     torch.testing.assert_close(q, want_q, **TOL[dtype])
     torch.testing.assert_close(k, want_k, **TOL[dtype])
+    # The float32 tables (as transformers' own) hold angles of up to 512 rad to ~3e-5.
+    near = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(q.double(), exact_q, **near)
+    torch.testing.assert_close(k.double(), exact_k, **near)
 
 
 def test_write_kv_puts_each_head_in_its_slot():

@@ -14,9 +14,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4-mini: fused QKV and gate/up, LongRoPE
 }
 # GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Families whose every layer slides when the config gives a window (others need use_sliding_window).
+WINDOWED_FAMILIES = ("mistral", "phi3")
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before rope.
 QK_NORM_FAMILIES = ("qwen3",)
 
@@ -47,14 +50,19 @@ class ModelArch:
     # layer slides when sliding_window is set (Mistral).
     layer_types: tuple[str, ...] | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rope
+    rotary_dim: int | None = None  # rope turns the first rotary_dim numbers of a head (None: all)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even for rotary embeddings")
+        if self.rotary_size % 2 or not 0 < self.rotary_size <= self.head_dim:
+            raise ValueError("the rotary part of a head must be even and at most head_dim")
+
+    @property
+    def rotary_size(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of one layer's attention (None: it sees the whole context)."""
@@ -84,7 +92,9 @@ class ModelArch:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family in WINDOWED_FAMILIES) else None
+        rope_params = cfg.get("rope_parameters") or {}
+        partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -103,6 +113,7 @@ class ModelArch:
             attention_bias=family == "qwen2" or cfg.get("attention_bias", False),
             sliding_window=window,
             qk_norm=family in QK_NORM_FAMILIES,
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -115,6 +126,10 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return None
+    if kind == "longrope":  # Phi-3 keeps these two beside rope_scaling
+        original = scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        return dict(scaling, rope_type=kind, original_max_position_embeddings=original,
+                    max_position_embeddings=cfg["max_position_embeddings"])
     return dict(scaling, rope_type=kind)
 
 

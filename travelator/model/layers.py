@@ -24,13 +24,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_positions: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies of rotary_dim / 2 pairs, and the factor cos and sin are scaled by
+    (LongRoPE's attention factor; 1 otherwise). ``max_positions``: the engine's context, which
+    picks LongRoPE's factors once for every position, as llama.cpp picks them by its context:
+    long where the context passes the pretraining length, short otherwise (transformers picks
+    per forward pass by the sequence's length, which equals this rule for a sequence that
+    stays on one side of that length)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
-        return inv_freq.float()
+        return inv_freq.float(), 1.0
     kind = scaling["rope_type"]
     if kind == "linear":
-        return (inv_freq / scaling["factor"]).float()
+        return (inv_freq / scaling["factor"]).float(), 1.0
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -40,35 +48,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    if kind == "longrope":
+        old_len = scaling["original_max_position_embeddings"]
+        factors = scaling["long_factor"] if max_positions > old_len else scaling["short_factor"]
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"longrope: {len(factors)} factors for {rotary_dim // 2} rotary pairs")
+        # As transformers computes them: in float32, the factor times base ** (2i / dim).
+        shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** shape)
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            ratio = scaling.get("factor") or scaling["max_position_embeddings"] / old_len
+            attention_factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(old_len))
+        return inv_freq, float(attention_factor)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the two halves of each head ("NeoX" layout, as in HF checkpoints).
+    """Rotates the two halves of the first ``rotary_dim`` numbers of each head ("NeoX" layout,
+    as in HF checkpoints); the rest of the head passes through (partial rotary, Phi-4-mini).
 
-    GGUF checkpoints rotate adjacent pairs instead; the loader permutes their Q/K
+    GGUF llama checkpoints rotate adjacent pairs instead; the loader permutes their Q/K
     rows into this layout, so one kernel serves both.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, attention_factor = rope_inv_freq(rotary_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    half = cos.shape[-1]
+    x1, x2, rest = x.float().split([half, half, x.shape[-1] - 2 * half], dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
     return out.to(x.dtype)
 
 

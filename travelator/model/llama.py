@@ -158,7 +158,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.ops, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = None if arch.tie_word_embeddings else _param(vocab, arch.hidden_size, dtype=dtype)
-        self.rope = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.rope = RotaryEmbedding(arch.rotary_size, max_positions, arch.rope_theta, arch.rope_scaling)
         # Steps the native layer stack covers run every layer in one call (model/layer_stack.py),
         # with the same results; False keeps them on the Python layers (tests compare the two).
         self.use_layer_stack = True
@@ -312,12 +312,15 @@ class LlamaModel(nn.Module):
             if isinstance(tensor, BlockQuantized) and builder is None:
                 tensor = tensor.dequantize()
             row0 = shard.local_offset(part, size) if part is not None else 0
+            # A whole fused tensor (Phi-3's qkv_proj) is cut part by part; a part as it is.
+            local = (lambda t: shard.shard(t, rank, size)) if part is None else (
+                lambda t: shard.take(t, part, rank, size))
             if builder is None:
-                dest.copy_(shard.take(tensor, part or 0, rank, size))
+                dest.copy_(local(tensor))
             elif isinstance(tensor, BlockQuantized):
                 builder.write_blocks(row0, tensor)  # one rank: no shard to cut
             else:
-                builder.write_rows(row0, shard.take(tensor, part or 0, rank, size))
+                builder.write_rows(row0, local(tensor))
             if part is None or parts_written[target] == len(shard.parts):
                 written.add(target)
                 if target in self._builders:
@@ -371,6 +374,7 @@ _MODEL_TENSORS = {
 }
 _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "input_layernorm.weight": ("input_norm.weight", None),
+    "self_attn.qkv_proj.weight": ("self_attn.qkv_weight", None),  # Phi-3: fused in the checkpoint
     "self_attn.q_proj.weight": ("self_attn.qkv_weight", 0),
     "self_attn.k_proj.weight": ("self_attn.qkv_weight", 1),
     "self_attn.v_proj.weight": ("self_attn.qkv_weight", 2),
@@ -381,6 +385,7 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
     "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+    "mlp.gate_up_proj.weight": ("mlp.gate_up_weight", None),  # Phi-3: gate, then up
     "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_weight", 1),
     "mlp.down_proj.weight": ("mlp.down_weight", None),

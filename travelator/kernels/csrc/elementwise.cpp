@@ -256,14 +256,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 template <typename T>
-void rope_rows(T* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t half,
+void rope_rows(T* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, int64_t half,
                const int64_t* positions, const float* cos, const float* sin) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * half;
       const float* s = sin + positions[t] * half;
       for (int64_t h = 0; h < heads; ++h) {
-        T* a = x + t * row_stride + h * 2 * half;
+        T* a = x + t * row_stride + h * head_dim;
         T* b = a + half;
 #if defined(TRAVELATOR_VEC16)
         if constexpr (kVectorised<T>) {
@@ -291,25 +291,26 @@ bool heads_contiguous(const at::Tensor& x) {
   return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
 }
 
-// Rotates the two halves of every head of q [T, H, D] and k [T, KVH, D] in place, by
-// the angles of each token's position (cos, sin: [max_positions, D/2] float32). q and k
-// may be row-strided views of one fused QKV tensor.
+// Rotates the two halves of the first R numbers of every head of q [T, H, D] and k [T, KVH, D]
+// in place, by the angles of each token's position (cos, sin: [max_positions, R/2] float32;
+// R < D: partial rotary, the rest of a head passes through). q and k may be row-strided views
+// of one fused QKV tensor.
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin) {
   TORCH_CHECK(heads_contiguous(q) && heads_contiguous(k), "rope_: q, k must be [T, H, D] with contiguous heads");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.size(2) == k.size(2) && q.size(0) == k.size(0), "rope_: q and k do not match");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0), "rope_: bad positions");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.size(1) * 2 == q.size(2), "rope_: bad cos/sin tables");
+              sin.sizes() == cos.sizes() && cos.size(1) * 2 <= q.size(2), "rope_: bad cos/sin tables");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);
   for (int64_t t = 0; t < positions.numel(); ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_: position ", pos[t], " out of range");
   dispatch_float_types(q, "rope_", [&](auto tag) {
     using T = decltype(tag);
-    const int64_t half = q.size(2) / 2;
-    rope_rows(q.data_ptr<T>(), q.size(0), q.stride(0), q.size(1), half, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
-    rope_rows(k.data_ptr<T>(), k.size(0), k.stride(0), k.size(1), half, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+    const int64_t d = q.size(2), half = cos.size(1);
+    rope_rows(q.data_ptr<T>(), q.size(0), q.stride(0), q.size(1), d, half, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rope_rows(k.data_ptr<T>(), k.size(0), k.stride(0), k.size(1), d, half, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
   });
 }
 
