@@ -1,6 +1,6 @@
 """The native paged-attention kernel against an independent float64 reference, against
 the pure-torch fallback, and for batch invariance (a row's result never depends on what
-else is in the call, nor on how its prompt was chunked)."""
+else is in the call, nor on how its prompt was chunked); with and without a sliding window."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from travelator import kernels
+from travelator.model import kv_cache
 from travelator.model.attention import PagedAttention, build_metadata
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
@@ -22,21 +23,26 @@ def make_cache(num_blocks, block_size, kvh, d, dtype, seed):
     return (torch.randn(shape, generator=g).to(dtype).transpose(1, 2).contiguous() for _ in range(2))
 
 
-def reference(q, k_cache, v_cache, requests, scale):
-    """Dense float64 attention per request: query at position p sees keys 0..p."""
+def reference(q, k_cache, v_cache, requests, scale, window=None):
+    """Dense float64 attention per request: query at position p sees keys 0..p, or with a
+    sliding window only the keys k with p - window < k <= p (transformers' convention)."""
     kvh, bs = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     out, row = [], 0
     for context, n, table in requests:
         total = context + n
         # Position p's rows: block table[p // bs], every head, place p % bs in the block.
-        keys = torch.stack([k_cache[table[p // bs], :, p % bs] for p in range(total)])
-        vals = torch.stack([v_cache[table[p // bs], :, p % bs] for p in range(total)])
+        blocks = torch.tensor([table[p // bs] for p in range(total)], dtype=torch.long)
+        keys, vals = (cache[blocks, :, torch.arange(total) % bs] for cache in (k_cache, v_cache))
         keys, vals = (x.double().repeat_interleave(group, 1) for x in (keys, vals))
         qr = q[row : row + n].double()
         scores = torch.einsum("nhd,khd->hnk", qr, keys) * scale
         pos = torch.arange(context, total).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(total).unsqueeze(0) > pos, float("-inf"))
+        keys_pos = torch.arange(total).unsqueeze(0)
+        hidden = keys_pos > pos
+        if window is not None:
+            hidden |= keys_pos <= pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hnk,khd->nhd", scores.softmax(-1), vals))
         row += n
     return torch.cat(out)
@@ -62,8 +68,8 @@ def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):
     return reqs
 
 
-def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False):
-    attn = PagedAttention(heads, kvh, d)
+def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False, window=None):
+    attn = PagedAttention(heads, kvh, d, window=window)
     meta = metadata(reqs, backend, k_cache.shape[2])
     meta.tiled_prefill = tiled
     # The cache already holds every key: only read it (an empty write).
@@ -208,3 +214,158 @@ def test_rows_do_not_depend_on_the_block_size(dtype, d):
     ref = reference(q[:70], k_cache, v_cache, [(0, 70, table)], d**-0.5)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(outs[2][:70].double(), ref, atol=tol, rtol=tol)
+
+
+# ---- sliding windows ------------------------------------------------------------------------
+
+# A table entry no kernel may follow: far past any cache (a native read there faults, a torch
+# gather raises).
+UNREADABLE = 1 << 40
+
+
+def windowed_requests(rng, block_size, window):
+    """Decodes and prefill chunks, in flat order (decodes first), whose first query sees keys
+    from just before, at and after block and key-chunk boundaries (the kernels take keys in
+    chunks of 32, 64 or 256 positions), chunks that straddle their first query's window start
+    and chunks longer than the window; and the blocks they need. A window past 600 keys
+    is longer than every context. Block 0 is left out
+    (build_metadata pads with it); the entries of blocks wholly before a request's first
+    visible key are UNREADABLE."""
+    shapes = [(c, 1) for c in (0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 255, 256, 257, 300, 513)]
+    shapes += [(0, 40), (5, 30), (63, 2), (250, 20), (0, 70), (rng.randint(1, 90), rng.randint(2, 40))]
+    if window <= 600:
+        shapes += [(window - 1, 1), (window, 1), (window + 1, 1), (window - 2, 9), (window + 3, 20)]
+    shapes = sorted({(max(c, 0), n) for c, n in shapes}, key=lambda r: r[1] != 1)
+    num_blocks = 1 + sum(-(-(c + n) // block_size) for c, n in shapes)
+    blocks = rng.sample(range(1, num_blocks), num_blocks - 1)
+    reqs = []
+    for context, n in shapes:
+        need = -(-(context + n) // block_size)
+        table, blocks = blocks[:need], blocks[need:]
+        first = max(0, context - window + 1) // block_size  # block of the first visible key
+        reqs.append((context, n, [UNREADABLE] * first + table[first:]))
+    return reqs, num_blocks
+
+
+def window_caches(kv_dtype, num_blocks, block_size, kvh, d, seed):
+    """K and V caches, and their float64 values for the reference."""
+    if kv_dtype != torch.int8:
+        k, v = make_cache(num_blocks, block_size, kvh, d, kv_dtype, seed)
+        return k, v, k.double(), v.double()
+    g = torch.Generator().manual_seed(seed)
+    rows = [kv_cache.quantize_rows(torch.randn(num_blocks, kvh, block_size, d, generator=g)) for _ in range(2)]
+    return (*rows, *(kv_cache.dequantize_rows(r, torch.float64) for r in rows))
+
+
+def readable(reqs, stand_in):
+    """The requests with their UNREADABLE entries naming a real block (for the reference)."""
+    return [(c, n, [stand_in if b == UNREADABLE else b for b in t]) for c, n, t in reqs]
+
+
+def torch_attend(q, k_cache, v_cache, k_ref, v_ref, reqs, heads, kvh, d, window):
+    """The torch backend, handed the queries' own keys and values as the model hands them
+    over (a chunk at context 0 attends to those, not to the cache), already in the cache."""
+    bs = k_cache.shape[2]
+    pos = torch.tensor([p for c, n, _ in reqs for p in range(c, c + n)], dtype=torch.long)
+    blocks = torch.tensor([t[p // bs] for c, n, t in reqs for p in range(c, c + n)], dtype=torch.long)
+    k, v = (cache[blocks, :, pos % bs].to(q.dtype) for cache in (k_ref, v_ref))
+    attn = PagedAttention(heads, kvh, d, window=window)
+    return attn._torch_attention(q, k, v, k_cache, v_cache, metadata(reqs, "torch", bs))
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol,tiled", [
+    (torch.float32, torch.float32, 1e-5, False),
+    (torch.bfloat16, torch.bfloat16, 2e-2, False),
+    (torch.bfloat16, torch.bfloat16, 2e-2, True),  # the tiled kernel: bf16 queries and cache only
+    (torch.float32, torch.bfloat16, 1e-5, False),
+    (torch.float16, torch.float16, 2e-3, False),
+    (torch.float32, torch.int8, 1e-5, False),
+    (torch.bfloat16, torch.int8, 2e-2, False),
+])
+@pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20), (16, 4, 1, 128)])
+def test_sliding_window_matches_reference_and_torch(dtype, kv_dtype, tol, tiled, block_size, heads, kvh, d):
+    """Windows of 1 key, smaller than a block, one block, not a multiple of the block size
+    nor of a key chunk, and longer than every context (then the same bits as no window),
+    over decodes and prefill chunks on every path the shapes take (head_dim 20: the portable
+    one; 32, 64, 128: AVX2 or AVX-512, and the tiled bf16 kernel where built). The blocks
+    before each request's window are table entries no backend may read."""
+    scale = d**-0.5
+    for window in (1, 3, block_size, 21, 40, 1000):
+        rng = random.Random(window * 7 + d)
+        reqs, num_blocks = windowed_requests(rng, block_size, window)
+        k_cache, v_cache, k_ref, v_ref = window_caches(kv_dtype, num_blocks, block_size, kvh, d, seed=d + window)
+        total = sum(n for _, n, _ in reqs)
+        q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(window)).to(dtype)
+        ref = reference(q, k_ref, v_ref, readable(reqs, 0), scale, window)
+        native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, window)
+        torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol, msg=lambda m: f"window {window}: {m}")
+        fallback = torch_attend(q, k_cache, v_cache, k_ref, v_ref, reqs, heads, kvh, d, window)
+        torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2,
+                                   msg=lambda m: f"window {window}: {m}")
+        if window == 1000:  # past every context: exactly full attention
+            full = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled)
+            assert torch.equal(native, full)
+
+
+def test_a_window_changes_the_result():
+    """The reference's window is not a no-op (keys outside it do count without it)."""
+    k_cache, v_cache = make_cache(20, 16, 2, 20, torch.float32, seed=0)
+    reqs = [(0, 40, [1, 2, 3])]
+    q = torch.randn(40, 4, 20, generator=torch.Generator().manual_seed(0))
+    windowed, full = (attend("native", q, k_cache, v_cache, reqs, 4, 2, 20, window=w) for w in (7, None))
+    assert torch.equal(windowed[:7], full[:7]) and not torch.allclose(windowed[7:], full[7:], atol=1e-3)
+    assert not torch.allclose(reference(q, k_cache, v_cache, reqs, 20**-0.5, 7)[7:],
+                              reference(q, k_cache, v_cache, reqs, 20**-0.5)[7:], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 20])
+@pytest.mark.parametrize("window", [5, 16, 45])
+def test_windowed_rows_do_not_depend_on_the_batch_or_the_chunking(dtype, d, window):
+    """Under a window the key chunks stay aligned to absolute positions: a prompt's rows
+    are the same bits whole, in chunks of 1, 7 or 64 queries (each chunk from the block of
+    its first visible key on) and beside other requests."""
+    heads, kvh, bs, prompt_len = 4, 2, 16, 300
+    k_cache, v_cache = make_cache(100, bs, kvh, d, dtype, seed=5)
+    rng = random.Random(window)
+    table = rng.sample(range(1, 100), -(-prompt_len // bs))
+    q_all = torch.randn(prompt_len, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = attend("native", q_all, k_cache, v_cache, [(0, prompt_len, table)], heads, kvh, d, window=window)
+    ref = reference(q_all, k_cache, v_cache, [(0, prompt_len, table)], d**-0.5, window)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(whole.double(), ref, atol=tol, rtol=tol)
+    others = [(40, 1, [1, 2, 3]), (299, 1, table), (3, 25, [4, 5])]  # a decode of the same prompt too
+    q_others = torch.randn(27, heads, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for chunk in (1, 7, 64):
+        for start in range(0, prompt_len, chunk):
+            n = min(chunk, prompt_len - start)
+            first = max(0, start - window + 1) // bs
+            mine = (start, n, [UNREADABLE] * first + table[first:])
+            reqs = [others[0], others[1], mine, others[2]] if n == 1 else [others[0], others[1], others[2], mine]
+            q = torch.cat([q_others[:2], q_all[start : start + n], q_others[2:]] if n == 1
+                          else [q_others, q_all[start : start + n]])
+            out = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, window=window)
+            got = out[2 : 2 + n] if n == 1 else out[27:]
+            assert torch.equal(got, whole[start : start + n]), (chunk, start)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 20])
+def test_windowed_rows_do_not_depend_on_the_block_size(dtype, d):
+    heads, kvh, n_keys, window = 4, 2, 75, 11
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
+    vals = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
+    q = torch.randn(n_keys, heads, d, generator=g).to(dtype)
+    outs = []
+    for bs in (4, 8, 16):
+        table = random.Random(bs).sample(range(40), -(-n_keys // bs))
+        k_cache = torch.randn(40, kvh, bs, d, generator=g).to(dtype)
+        v_cache = torch.randn(40, kvh, bs, d, generator=g).to(dtype)
+        for p in range(n_keys):
+            k_cache[table[p // bs], :, p % bs] = keys[p]
+            v_cache[table[p // bs], :, p % bs] = vals[p]
+        prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d, window=window)
+        decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d, window=window)
+        outs.append(torch.cat([prompt, decode]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

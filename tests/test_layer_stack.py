@@ -98,6 +98,24 @@ def test_the_layer_stack_norms_qwen3_heads(tmp_path, quantization):
     assert used > 0 and stacked == python
 
 
+@pytest.mark.parametrize("windows", [(4, 4), (None, 3)])
+def test_the_layer_stack_passes_each_layers_window(tmp_path, windows):
+    """Sliding windows shorter than the generations (3-9 prompt tokens, then 10): Mistral's,
+    one per layer, and a full layer beside a sliding one (Gemma 3's interleaving), each
+    layer's window passed to its attention as the Python layer passes it."""
+    path = build_checkpoint(tmp_path / "mistral", "mistral", sliding_window=4)
+    llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_num_seqs=2, enable_prefix_caching=False)
+    for layer, window in zip(llm.engine.runner.model.layers, windows):
+        layer.self_attn.attn.window = window
+    assert LayerStack.of(llm.engine.runner.model).windows == [w or 0 for w in windows]
+    python, _ = _generate(llm, use_stack=False)
+    stacked, used = _generate(llm, use_stack=True)
+    assert used > 0 and stacked == python
+    for layer in llm.engine.runner.model.layers:  # the windows change the numbers
+        layer.self_attn.attn.window = None
+    assert _generate(llm, use_stack=False)[0] != python
+
+
 def test_steps_the_stack_does_not_cover_run_the_python_layers():
     """A bf16 prompt (more rows than small_m_linear takes) never reaches the stack."""
     llm = LLM("dummy:tiny", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)

@@ -1,6 +1,6 @@
-"""travelator against transformers on tiny random-init Llama, Qwen2, Qwen3 and Mistral models:
-logits and greedy tokens, alone and mixed in batches with staggered arrivals,
-chunked prefill and preemption."""
+"""travelator against transformers on tiny random-init Llama, Qwen2, Qwen3 and Mistral models
+(one with a sliding window shorter than the prompts): logits and greedy tokens, alone and
+mixed in batches with staggered arrivals, chunked prefill and preemption."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ FAMILIES = {
     "llama": {},
     "qwen2": {},
     "mistral": {"sliding_window": 4096},
+    # A window shorter than nearly every prompt (3-60 tokens, then up to 24 generated), so that
+    # every test below runs through it; the family above never reaches its 4096.
+    "mistral_w7": {"sliding_window": 7},
     # Per-head q/k RMSNorm, tied embeddings as on the small Qwen3 sizes, and a head_dim that is
     # not hidden / heads (Qwen3-0.6B: 1024 / 16 heads with head_dim 128).
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
@@ -37,7 +40,7 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     name = request.param
-    family = "llama" if name.startswith("llama") else name
+    family = "llama" if name.startswith("llama") else name.split("_")[0]  # mistral_w7: mistral
     path = build_checkpoint(tmp_path_factory.mktemp(name), family, **FAMILIES[name])
     return path, load_reference(path)
 
@@ -74,6 +77,18 @@ def test_logprobs_match(checkpoint, kernels):
         assert entry.logprob == pytest.approx(float(exact[entry.token_id]), abs=bound)
         for tok, lp in entry.top_logprobs.items():
             assert lp == pytest.approx(float(exact[tok]), abs=bound), (i, tok, float32_error)
+
+
+def test_transformers_applies_mistrals_window(tmp_path):
+    """The reference is a windowed one: with its default attention in float32, a query 7 or
+    more positions in sees less with sliding_window 7 than without a window."""
+    ref = load_reference(build_checkpoint(tmp_path, "mistral", **FAMILIES["mistral_w7"]))
+    tokens = prompts(1, seed=6, lo=40, hi=40)[0]
+    windowed = reference_logprobs(ref, tokens)
+    ref.config.sliding_window = None
+    full = reference_logprobs(ref, tokens)
+    torch.testing.assert_close(windowed[:7], full[:7])
+    assert (windowed[7:] - full[7:]).abs().amax(-1).min() > 1e-3
 
 
 def check_against_reference(ref, llm: LLM, n: int, seed: int) -> LLM:

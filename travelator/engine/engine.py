@@ -132,9 +132,6 @@ class LLMEngine:
 
     def _context_limit(self) -> int:
         limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window:
-            # Attention here is full; below the window that is exactly the model's own.
-            limit = min(limit, self.arch.sliding_window)
         requested = self.config.model.max_model_len
         if requested is not None:
             if requested < 2:

@@ -14,12 +14,17 @@ Two backends read the same metadata:
   mask, one SDPA call for the lot. Each prefill chunk gets its own SDPA call with a
   bottom-right causal mask: query i of a chunk that starts at position p sees keys
   0..p+i (docs/design.md invariant 3).
+
+A layer with a sliding window (Mistral, Gemma 3's local layers) narrows that on both
+backends as transformers does: a query at position p sees keys p - window + 1 .. p (key k
+is seen when k > p - window). Neither backend reads the blocks wholly before the first key
+a request's queries see.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -41,9 +46,31 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for the torch path
     context_lens: list[int]  # tokens cached before this step, per request
     decode_mask: torch.Tensor | None = None  # torch path: [nd, 1, 1, width * block_size] bool
+    # torch path: the decodes' blocks and mask under each sliding window met (window_decode)
+    window_decodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # native path: prefill tiles may take the faster tiled kernel, whose numbers depend on
     # the tile (off in batch-invariant mode)
     tiled_prefill: bool = False
+
+    def window_decode(self, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path's decodes in a layer with a sliding window: per decode, the blocks
+        from the one that holds the first key it sees ([nd, n] block ids, n = the most blocks
+        a window spans), and which of their positions it sees ([nd, 1, 1, n * block_size]
+        bool): a decode at position seq_len - 1 sees keys k > seq_len - 1 - window, i.e.
+        seq_len - window <= k < seq_len. Built once per window and step."""
+        got = self.window_decodes.get(window)
+        if got is None:
+            lens = self.seq_lens[: self.num_decodes, None]
+            width = self.decode_mask.shape[-1] // block_size  # the decodes' widest table
+            first = (lens - window).clamp(min=0) // block_size
+            n = min(width, -(-window // block_size) + 1)
+            # Columns past a decode's table repeat its last one (positions it does not see).
+            cols = (first + torch.arange(n, device=lens.device)).clamp(max=width - 1)
+            k_pos = first * block_size + torch.arange(n * block_size, device=lens.device)
+            mask = (k_pos < lens) & (k_pos >= lens - window)
+            got = self.window_decodes[window] = (self.block_tables[: self.num_decodes].gather(1, cols),
+                                                 mask[:, None, None, :])
+        return got
 
 
 def slot_mapping(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -88,12 +115,13 @@ def build_metadata(backend: AttentionBackend, slot_mapping: torch.Tensor, query_
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None,
+                 scale: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.window = window  # a query at position p sees keys p - window + 1 .. p (None: 0 .. p)
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale  # Gemma 3: query_pre_attn_scalar ** -0.5
 
     def __call__(
         self,
@@ -114,7 +142,7 @@ class PagedAttention:
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
                 q, k_cache, v_cache, meta.query_start, meta.seq_lens,
-                meta.block_tables, self.scale, meta.tiled_prefill,
+                meta.block_tables, self.scale, meta.tiled_prefill, self.window or 0,
             )
         return self._torch_attention(q, k, v, k_cache, v_cache, meta)
 
@@ -141,10 +169,13 @@ class PagedAttention:
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         block_size = k_cache.shape[2]
         tables = meta.block_tables[: meta.num_decodes, : meta.decode_mask.shape[-1] // block_size]
+        mask = meta.decode_mask
+        if self.window:  # only the blocks of each decode's window
+            tables, mask = meta.window_decode(self.window, block_size)
         keys = self._gather(k_cache, tables, q.dtype)  # [B, KVH, L, D]
         values = self._gather(v_cache, tables, q.dtype)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+            q.unsqueeze(2), keys, values, attn_mask=mask,
             scale=self.scale, enable_gqa=True,
         )  # [B, H, 1, D]
         return o.squeeze(2)
@@ -152,27 +183,45 @@ class PagedAttention:
     def _prefill(self, q, k, v, k_cache, v_cache, context_len: int,
                  block_table: torch.Tensor) -> torch.Tensor:
         qh = q.transpose(0, 1)  # [H, n, D]
+        n, window = q.shape[0], self.window
         if context_len == 0:
             # No cached prefix: keys are exactly this chunk, top-left causal is right.
             # Round them as the cache stores them, so a chunk sees the same keys whether
             # it reads them fresh or from the cache (a KV dtype below the model's).
             if k_cache.dtype != k.dtype:
                 k, v = _as_read(k, k_cache.dtype, q.dtype), _as_read(v, v_cache.dtype, q.dtype)
+            if not window or window >= n:  # the window reaches back to key 0 from every query
+                o = F.scaled_dot_product_attention(
+                    qh, k.transpose(0, 1), v.transpose(0, 1),
+                    is_causal=True, scale=self.scale, enable_gqa=True,
+                )
+                return o.transpose(0, 1)
+            pos = torch.arange(n, device=q.device)
             o = F.scaled_dot_product_attention(
-                qh, k.transpose(0, 1), v.transpose(0, 1),
-                is_causal=True, scale=self.scale, enable_gqa=True,
+                qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=_mask(pos, pos, window),
+                scale=self.scale, enable_gqa=True,
             )
             return o.transpose(0, 1)
-        total = context_len + q.shape[0]
-        keys = self._gather(k_cache, block_table, q.dtype)[:, :total]
-        values = self._gather(v_cache, block_table, q.dtype)[:, :total]
-        q_pos = torch.arange(context_len, total, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(total, device=q.device).unsqueeze(0)
-        mask = k_pos <= q_pos  # bottom-right aligned causal mask
+        total = context_len + n
+        # Keys from the block holding the first one the chunk's first query sees.
+        start = (max(0, context_len + 1 - window) if window else 0) // k_cache.shape[2] * k_cache.shape[2]
+        table = block_table[start // k_cache.shape[2]:]
+        keys = self._gather(k_cache, table, q.dtype)[:, : total - start]
+        values = self._gather(v_cache, table, q.dtype)[:, : total - start]
+        q_pos = torch.arange(context_len, total, device=q.device)
+        k_pos = torch.arange(start, total, device=q.device)
         o = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            qh, keys, values, attn_mask=_mask(q_pos, k_pos, window), scale=self.scale, enable_gqa=True
         )
         return o.transpose(0, 1)
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] bool: which keys each query sees, by position (bottom-right aligned
+    causal; with a window, only keys k > q - window)."""
+    q_pos, k_pos = q_pos.unsqueeze(1), k_pos.unsqueeze(0)
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window else mask
 
 
 def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

@@ -28,6 +28,7 @@ class LayerStack:
     head_norms: list[torch.Tensor]  # per layer the q and k head norm weights (Qwen3), else empty
     linear_tensors: list[torch.Tensor | None]  # per linear layer (a, b, bias), see csrc/layer_stack.cpp
     linear_ints: list[int]  # per linear layer (route, group, out_features)
+    windows: list[int]  # per layer its attention's sliding window, 0 for none
     quantized: frozenset[bool]  # which kinds of weights it holds (their row limits differ)
     dtype: torch.dtype
     num_heads: int
@@ -42,10 +43,11 @@ class LayerStack:
         ops = model.ops
         if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
             return None
-        norms, head_norms, tensors, ints, kinds = [], [], [], [], set()
+        norms, head_norms, tensors, ints, windows, kinds = [], [], [], [], [], set()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_norm.weight, layer.post_attn_norm.weight]
+            windows.append(attn.attn.window or 0)
             if attn.q_norm is not None:
                 head_norms += [attn.q_norm.weight, attn.k_norm.weight]
             for weight, bias in ((attn.qkv_weight, attn.qkv_bias), (attn.o_weight, None),
@@ -58,7 +60,7 @@ class LayerStack:
                 kinds.add(spec.quantized)
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn
-        return LayerStack(norms, head_norms, tensors, ints, frozenset(kinds), model.dtype, first.num_heads,
+        return LayerStack(norms, head_norms, tensors, ints, windows, frozenset(kinds), model.dtype, first.num_heads,
                           first.num_kv_heads, first.head_dim, model.layers[0].input_norm.eps, first.attn.scale)
 
     def covers(self, ops, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

@@ -259,7 +259,7 @@ class NativeOps(TorchOps):
         return self._ops.decoder_layers(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.query_start, meta.seq_lens,
             meta.block_tables, stack.norms, stack.head_norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
-            stack.linear_tensors, stack.linear_ints, stack.num_heads, stack.num_kv_heads, stack.head_dim,
+            stack.linear_tensors, stack.linear_ints, stack.windows, stack.num_heads, stack.num_kv_heads, stack.head_dim,
             stack.eps, stack.scale, meta.tiled_prefill)
 
     def _widened_bias(self, bias: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@
 // Layer l's linear layers are 4 l .. 4 l + 3: QKV, output, gate/up, down; its norms are
 // norms[2 l] (input) and norms[2 l + 1] (after attention), and the last norm the model's;
 // head_norms is empty, or (Qwen3) per layer the query and the key head norms, 2 l and 2 l + 1.
+// windows[l] is layer l's sliding window (0: none), as its attention passes it.
 
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
@@ -57,8 +58,8 @@ struct Kernels {
       kernel<void(T&, T&, const T&, const T&, const T&)>("travelator::rope_");
   c10::TypedOperatorHandle<void(T&, T&, const T&, const T&, const T&)> write_kv =
       kernel<void(T&, T&, const T&, const T&, const T&)>("travelator::write_kv_");
-  c10::TypedOperatorHandle<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool)> attention =
-      kernel<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool)>("travelator::paged_attention");
+  c10::TypedOperatorHandle<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, int64_t)> attention =
+      kernel<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, int64_t)>("travelator::paged_attention");
   std::optional<c10::TypedOperatorHandle<SmallM>> small_m = kernel_if_built<SmallM>("travelator::small_m_linear");
   std::optional<c10::TypedOperatorHandle<Blocked>> blocked = kernel_if_built<Blocked>("travelator::blocked_linear");
   std::optional<c10::TypedOperatorHandle<Int8>> int8 = kernel_if_built<Int8>("travelator::quant_linear_int8");
@@ -101,14 +102,15 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
                  const T& seq_lens, const T& block_tables, at::TensorList norms, at::TensorList head_norms,
                  at::TensorList k_caches,
                  at::TensorList v_caches, const c10::List<std::optional<T>>& linear_tensors,
-                 c10::IntArrayRef linear_ints, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                 double eps, double scale, bool tiled) {
+                 c10::IntArrayRef linear_ints, c10::IntArrayRef windows, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, double eps, double scale, bool tiled) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers + 1 &&
                   (head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers) &&
                   static_cast<int64_t>(linear_tensors.size()) == 12 * layers &&
-                  static_cast<int64_t>(linear_ints.size()) == 12 * layers,
+                  static_cast<int64_t>(linear_ints.size()) == 12 * layers &&
+                  static_cast<int64_t>(windows.size()) == layers,
               "decoder_layers: inconsistent layer lists");
   const Kernels k;
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -126,7 +128,7 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
     k.rope.call(q, key, positions, cos, sin);  // in place, through the views
     T k_cache = k_caches[l], v_cache = v_caches[l];
     k.write_kv.call(k_cache, v_cache, slots, key, value);  // written before read, as in attention.py
-    const T attn = k.attention.call(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, tiled);
+    const T attn = k.attention.call(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, tiled, windows[l]);
     const T o = linear(k, linear_tensors, linear_ints, 4 * l + 1, attn.reshape({t, q_size}));
     const T normed2 = k.add_rms_norm.call(x, o, norms[2 * l + 1], eps);
     const T gate_up = linear(k, linear_tensors, linear_ints, 4 * l + 2, normed2);
@@ -140,7 +142,7 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("decoder_layers(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor query_start, "
         "Tensor seq_lens, Tensor block_tables, Tensor[] norms, Tensor[] head_norms, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
-        "Tensor?[] linear_tensors, int[] linear_ints, int num_heads, int num_kv_heads, int head_dim, float eps, "
+        "Tensor?[] linear_tensors, int[] linear_ints, int[] windows, int num_heads, int num_kv_heads, int head_dim, float eps, "
         "float scale, bool tiled) -> Tensor");
   m.impl("decoder_layers", c10::DispatchKey::CPU, &decoder_layers);
 }

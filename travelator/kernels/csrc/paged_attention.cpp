@@ -13,6 +13,13 @@
 // gathered through the block table into a float [D][keys] tile, so a row's scores are
 // accumulated over d in a fixed order (vectorised across keys, no horizontal sums); then an
 // online-softmax update (running max m, sum l, accumulator acc[D]).
+//
+// A sliding window (window > 0: Mistral, Gemma 3's local layers) limits a query at position
+// p to keys p - window + 1 .. p (transformers' convention: key k is seen when
+// k > p - window). A work item starts at the chunk holding the first key its first query
+// sees, so the chunks stay aligned to absolute positions, and every row masks the keys of a
+// chunk before its own first one. Keys before the item's first visible key are never read:
+// their blocks may already be back in the pool.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -103,6 +110,12 @@ inline float row_scale(const cache_t* row, int64_t head_dim) {
   }
 }
 
+// The first key position a query at `pos` sees: 0 without a window (window 0), else
+// pos - window + 1 (0 near the start).
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 struct WorkItem {
   int64_t request;
   int64_t first_query;  // within the request's chunk
@@ -115,7 +128,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 float scale) {
+                 float scale, int64_t window) {
   const int64_t D = head_dim, bs = block_size, row = row_width<cache_t>(D);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
@@ -123,6 +136,8 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
   const int64_t rows = w.num_queries * group;
   // Keys visible to the tile's last query; earlier rows stop sooner (causal).
   const int64_t last_pos = first_pos + w.first_query + w.num_queries - 1;
+  // The first key the tile's first query sees; later rows start later (the window).
+  const int64_t key_begin = first_key(first_pos + w.first_query, window);
 
   constexpr int64_t C = kRowKeyChunk;
   std::vector<float> qf(rows * D), acc(rows * D, 0.0f), kt(D * C, 0.0f), vf(C * D), s(C);
@@ -137,10 +152,11 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
   }
   const int64_t* table = block_tables + w.request * table_width;
   // Keys in chunks of C absolute positions, whatever the block size: a row's numbers are
-  // then the same for any block size, as on the AVX-512 path.
-  for (int64_t key0 = 0; key0 <= last_pos; key0 += C) {
+  // then the same for any block size, as on the AVX-512 path. Lanes before key_begin are
+  // never gathered (stale numbers, never used).
+  for (int64_t key0 = key_begin / C * C; key0 <= last_pos; key0 += C) {
     const int64_t valid_in_chunk = std::min(C, last_pos + 1 - key0);
-    for (int64_t j = 0; j < valid_in_chunk; ++j) {
+    for (int64_t j = std::max<int64_t>(0, key_begin - key0); j < valid_in_chunk; ++j) {
       const int64_t key = key0 + j;
       const int64_t offset = travelator::kv_row(table[key / bs], kv_head, key % bs, num_kv_heads, bs) * row;
       const cache_t* kj = k_cache + offset;
@@ -150,8 +166,11 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
       for (int64_t d = 0; d < D; ++d) vf[j * D + d] = static_cast<float>(vj[d]) * vs;
     }
     for (int64_t i = 0; i < w.num_queries; ++i) {
-      const int64_t n_valid = std::min(valid_in_chunk, first_pos + w.first_query + i + 1 - key0);
-      if (n_valid <= 0) continue;
+      // The row sees keys key0 + j0 .. key0 + n_valid - 1 of this chunk.
+      const int64_t pos = first_pos + w.first_query + i;
+      const int64_t n_valid = std::min(valid_in_chunk, pos + 1 - key0);
+      const int64_t j0 = std::max<int64_t>(0, first_key(pos, window) - key0);
+      if (n_valid <= j0) continue;
       for (int64_t r = 0; r < group; ++r) {
         const int64_t row = i * group + r;
         const float* qr = &qf[row * D];
@@ -164,11 +183,11 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
           for (int64_t j = 0; j < C; ++j) s[j] += qd * kd[j];
         }
         float chunk_max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n_valid; ++j) chunk_max = std::max(chunk_max, s[j]);
+        for (int64_t j = j0; j < n_valid; ++j) chunk_max = std::max(chunk_max, s[j]);
         const float m_new = std::max(m[row], chunk_max);
         const float alpha = travelator::exp_approx(m[row] - m_new);  // 0 on the first chunk
         float sum = 0.0f;
-        for (int64_t j = 0; j < n_valid; ++j) {
+        for (int64_t j = j0; j < n_valid; ++j) {
           s[j] = travelator::exp_approx(s[j] - m_new);
           sum += s[j];
         }
@@ -176,7 +195,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
         m[row] = m_new;
         float* a = &acc[row * D];
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-        for (int64_t j = 0; j < n_valid; ++j) {
+        for (int64_t j = j0; j < n_valid; ++j) {
           const float p = s[j];
           const float* vrow = &vf[j * D];
           for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
@@ -201,10 +220,10 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 float scale) {
+                 float scale, int64_t window) {
   for (int64_t h = w.first_head; h < w.end_head; ++h)
     attend_item_head(w, h, q, k_cache, v_cache, out, query_start, seq_lens, block_tables,
-                     table_width, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale);
+                     table_width, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window);
 }
 
 #if defined(__AVX512F__)
@@ -310,7 +329,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                      const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     float scale) {
+                     float scale, int64_t window) {
   // head_dim / 16 is a compile-time constant, so that q and the accumulators stay in
   // registers (an array indexed by a run-time bound would live on the stack).
   constexpr int64_t D = 16 * kChunks;
@@ -325,6 +344,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
   const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
   const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t key_begin = first_key(first_pos, window);  // the first key its query 0 sees
   const int64_t rows = w.num_queries * group;  // per KV head; row = query * group + r
   const int64_t all_rows = num_kv_heads * rows;  // row h * rows + r: head h's row r
   const int64_t token0 = query_start[w.request] + w.first_query;
@@ -339,22 +359,30 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   auto q_row = [&](int64_t h, int64_t row) {
     return q + (token0 + row / group) * q_stride + (h * group + row % group) * D;
   };
-  auto sees = [&](int64_t row, int64_t key) { return first_pos + row / group >= key; };
+  // Whether a row sees any of the 16 keys from `key` on.
+  auto sees = [&](int64_t row, int64_t key) {
+    const int64_t pos = first_pos + row / group;
+    return pos >= key && first_key(pos, window) < key + 16;
+  };
 
-  for (int64_t chunk0 = 0; chunk0 < n_keys; chunk0 += kKeyChunk) {
+  for (int64_t chunk0 = key_begin / kKeyChunk * kKeyChunk; chunk0 < n_keys; chunk0 += kKeyChunk) {
     const int64_t chunk_keys = std::min(kKeyChunk, n_keys - chunk0);
     const int64_t padded = (chunk_keys + 15) / 16 * 16;
-    // Where each key's rows start in the cache; the padding repeats the last key, so
-    // that no read goes past the block table (those lanes are masked).
+    // The first group of 16 keys that holds a key the item sees (0 but in its first chunk
+    // under a window).
+    const int64_t g_begin = std::max<int64_t>(0, key_begin - chunk0) / 16 * 16;
+    // Where each key's rows start in the cache; the padding repeats the last key, and keys
+    // before key_begin the first one, so that no read goes past the block table nor before
+    // the window (those lanes are masked).
     for (int64_t j = 0; j < padded + 16; ++j) {
-      const int64_t pos = chunk0 + std::min(j, chunk_keys - 1);
+      const int64_t pos = std::max(key_begin, chunk0 + std::min(j, chunk_keys - 1));
       key_offset[j] = travelator::kv_row(table[pos / bs], 0, pos % bs, num_kv_heads, bs) * kRow;  // head 0's row
     }
     for (int64_t h = w.first_head; h < w.end_head; ++h)
-      prefetch_keys(k_cache + h * head_stride, key_offset.data(), kRow * static_cast<int64_t>(sizeof(cache_t)));
+      prefetch_keys(k_cache + h * head_stride, key_offset.data() + g_begin, kRow * static_cast<int64_t>(sizeof(cache_t)));
     // (1) scores, 16 keys at a time (every head: the cache is read front to back), for
     // every row that sees at least one of them.
-    for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
+    for (int64_t g0 = g_begin; g0 < chunk_keys; g0 += 16) {
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
         // This head's rows of the group, of the next group (to ask for) and its V rows
         // (for step (3), into L2).
@@ -391,27 +419,33 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
       }
     }
     // (2) online softmax, once per row and chunk: p = exp(s - m_new) over the row's
-    // visible keys, exactly 0 elsewhere (so that (3) may run rows of different lengths
-    // together: adding 0 * v changes nothing); acc *= exp(m_old - m_new).
+    // visible keys (lanes j0 .. n_valid - 1), exactly 0 elsewhere (so that (3) may run rows
+    // of different lengths together: adding 0 * v changes nothing); acc *= exp(m_old - m_new).
+    // Lanes from g_begin on are written: the ones (3) reads.
     for (int64_t hr = w.first_head * rows; hr < w.end_head * rows; ++hr) {
-      const int64_t n_valid = std::min(chunk_keys, first_pos + (hr % rows) / group + 1 - chunk0);
+      const int64_t pos = first_pos + (hr % rows) / group;
+      const int64_t n_valid = std::min(chunk_keys, pos + 1 - chunk0);
+      const int64_t j0 = std::max<int64_t>(0, first_key(pos, window) - chunk0);
       float* sr = &s[hr * kKeyChunk];
-      if (n_valid <= 0) {
-        std::fill(sr, sr + padded, 0.0f);
+      if (n_valid <= j0) {
+        std::fill(sr + g_begin, sr + padded, 0.0f);
         continue;
       }
+      // Lanes of the group from g0 that hold keys j0 .. n_valid - 1.
+      auto lanes_of = [&](int64_t g0) {
+        const int64_t hi = n_valid - g0, lo = j0 - g0;
+        const uint32_t below_hi = hi >= 16 ? 0xFFFFu : hi <= 0 ? 0u : (1u << hi) - 1;
+        const uint32_t from_lo = lo <= 0 ? 0xFFFFu : lo >= 16 ? 0u : 0xFFFFu & ~((1u << lo) - 1);
+        return static_cast<__mmask16>(below_hi & from_lo);
+      };
       __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t g0 = 0; g0 < n_valid; g0 += 16) {
-        const __mmask16 lanes = static_cast<__mmask16>(n_valid - g0 >= 16 ? 0xFFFF : (1u << (n_valid - g0)) - 1);
-        mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(sr + g0));
-      }
+      for (int64_t g0 = j0 / 16 * 16; g0 < n_valid; g0 += 16)
+        mx = _mm512_mask_max_ps(mx, lanes_of(g0), mx, _mm512_loadu_ps(sr + g0));
       const float m_new = std::max(m[hr], _mm512_reduce_max_ps(mx));
       const __m512 m_vec = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
-      for (int64_t g0 = 0; g0 < padded; g0 += 16) {
-        const int64_t left = n_valid - g0;
-        const __mmask16 lanes = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(lanes, travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(sr + g0), m_vec)));
+      for (int64_t g0 = g_begin; g0 < padded; g0 += 16) {
+        const __m512 p = _mm512_maskz_mov_ps(lanes_of(g0), travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(sr + g0), m_vec)));
         _mm512_storeu_ps(sr + g0, p);
         sum = _mm512_add_ps(sum, p);
       }
@@ -424,7 +458,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
     }
     // (3) acc += p.V, 16 keys at a time, a few rows at a time, each V row converted once
     // for all of them.
-    for (int64_t g0 = 0; g0 < chunk_keys; g0 += 16) {
+    for (int64_t g0 = g_begin; g0 < chunk_keys; g0 += 16) {
       for (int64_t h = w.first_head; h < w.end_head; ++h) {
         const cache_t *vrows[16], *v_next[16];
         for (int64_t j = 0; j < 16; ++j) {
@@ -433,9 +467,10 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
         }
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBatch) {
           const int64_t nr = std::min(kRowBatch, rows - r0);
-          // Keys of this group seen by the batch's last (latest) row.
+          // Keys of this group seen by the batch's last (latest) row; none of them, when
+          // they all lie before the window of its first (earliest) row.
           const int64_t keys = std::min<int64_t>(16, first_pos + (r0 + nr - 1) / group + 1 - (chunk0 + g0));
-          if (keys <= 0) continue;
+          if (keys <= 0 || first_key(first_pos + r0 / group, window) >= chunk0 + g0 + 16) continue;
           pv_any_rows<cache_t, kChunks>(nr, &acc[(h * rows + r0) * D], &s[(h * rows + r0) * kKeyChunk + g0],
                                         std::min(keys, chunk_keys - g0), vrows, r0 == 0 ? v_next : nullptr);
         }
@@ -483,7 +518,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
                            const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                            const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           float scale) {
+                           float scale, int64_t window) {
   constexpr int64_t D = 8 * kChunks, C = kRowKeyChunk, kRow = row_width<cache_t>(D);
   constexpr int64_t kHalf = kChunks > 8 ? kChunks / 2 : kChunks;  // accumulators in registers at once
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
@@ -491,6 +526,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
   const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
   const int64_t rows = w.num_queries * group;
   const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t key_begin = first_key(first_pos, window);  // the first key its query 0 sees
   const int64_t token0 = query_start[w.request] + w.first_query;
   const int64_t* table = block_tables + w.request * table_width;
 
@@ -504,9 +540,11 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
   const cache_t* vrows[C];
   float kscale[C], vscale[C];
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t key0 = 0; key0 < n_keys; key0 += C) {
+  // Chunks of C absolute positions from the one that holds key_begin; keys before it are
+  // never read.
+  for (int64_t key0 = key_begin / C * C; key0 < n_keys; key0 += C) {
     const int64_t valid = std::min(C, n_keys - key0);
-    for (int64_t j = 0; j < valid; ++j) {
+    for (int64_t j = std::max<int64_t>(0, key_begin - key0); j < valid; ++j) {
       const int64_t pos = key0 + j;
       const int64_t offset = travelator::kv_row(table[pos / bs], kv_head, pos % bs, num_kv_heads, bs) * kRow;
       krows[j] = k_cache + offset;
@@ -515,12 +553,15 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
       vscale[j] = row_scale(vrows[j], D);
     }
     for (int64_t row = 0; row < rows; ++row) {
-      const int64_t n_valid = std::min(valid, first_pos + row / group + 1 - key0);
-      if (n_valid <= 0) continue;
+      // The row sees keys key0 + j0 .. key0 + n_valid - 1 of this chunk.
+      const int64_t pos = first_pos + row / group;
+      const int64_t n_valid = std::min(valid, pos + 1 - key0);
+      const int64_t j0 = std::max<int64_t>(0, first_key(pos, window) - key0);
+      if (n_valid <= j0) continue;
       const float* qr = &qf[row * D];
       __m256 qv[kChunks];
       for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-      for (int64_t j = 0; j < n_valid; ++j) {
+      for (int64_t j = j0; j < n_valid; ++j) {
         __m256 d0 = _mm256_mul_ps(qv[0], v8::load(krows[j]));
         __m256 d1 = _mm256_mul_ps(qv[1], v8::load(krows[j] + 8));
         for (int64_t c = 2; c < kChunks; c += 2) {
@@ -529,19 +570,22 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
         }
         s[j] = v8::sum(_mm256_add_ps(d0, d1)) * kscale[j];
       }
-      // Online softmax: p = exp(s - m_new) over the visible keys, 0 in the lanes past them.
+      // Online softmax: p = exp(s - m_new) over the visible keys (lanes j0 .. n_valid - 1),
+      // 0 in the lanes before and past them.
       const float neg_inf = -std::numeric_limits<float>::infinity();
+      auto live_lanes = [&](int64_t g0) {
+        const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane);
+        const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j0 - g0)), lane);
+        return _mm256_castsi256_ps(_mm256_andnot_si256(before, past));
+      };
       __m256 mx = _mm256_set1_ps(neg_inf);
-      for (int64_t g0 = 0; g0 < n_valid; g0 += 8) {
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane));
-        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(&s[g0]), live));
-      }
+      for (int64_t g0 = j0 / 8 * 8; g0 < n_valid; g0 += 8)
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(&s[g0]), live_lanes(g0)));
       const float m_new = std::max(m[row], max8(mx));
       const __m256 m_vec = _mm256_set1_ps(m_new);
       __m256 sum = _mm256_setzero_ps();
-      for (int64_t g0 = 0; g0 < n_valid; g0 += 8) {
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane));
-        const __m256 p = _mm256_and_ps(live, v8::exp(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
+      for (int64_t g0 = j0 / 8 * 8; g0 < n_valid; g0 += 8) {
+        const __m256 p = _mm256_and_ps(live_lanes(g0), v8::exp(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
         _mm256_storeu_ps(&s[g0], p);
         sum = _mm256_add_ps(sum, p);
       }
@@ -552,9 +596,9 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
       const __m256 alpha_vec = _mm256_set1_ps(alpha);
       for (int64_t c = 0; c < kChunks; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), alpha_vec));
       if constexpr (std::is_same_v<cache_t, int8_t>)
-        for (int64_t j = 0; j < n_valid; ++j) s[j] *= vscale[j];
+        for (int64_t j = j0; j < n_valid; ++j) s[j] *= vscale[j];
       for (int64_t half = 0; half < kChunks; half += kHalf)
-        pv_row_avx2<cache_t, kHalf>(a + 8 * half, s.data(), vrows, n_valid, 8 * half);
+        pv_row_avx2<cache_t, kHalf>(a + 8 * half, s.data() + j0, vrows + j0, n_valid - j0, 8 * half);
     }
   }
   for (int64_t row = 0; row < rows; ++row) {
@@ -569,12 +613,12 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
                       const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                       const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      float scale) {
+                      float scale, int64_t window) {
   (void)head_dim;
   for (int64_t h = w.first_head; h < w.end_head; ++h)
     attend_item_head_avx2<scalar_t, cache_t, kChunks>(w, h, q, k_cache, v_cache, out, query_start, seq_lens,
                                                      block_tables, table_width, q_stride, num_heads,
-                                                     num_kv_heads, block_size, scale);
+                                                     num_kv_heads, block_size, scale, window);
 }
 #endif
 
@@ -619,12 +663,13 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
                        const c10::BFloat16* v_cache, c10::BFloat16* out, const int64_t* query_start,
                        const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                        int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                       float scale) {
+                       float scale, int64_t window) {
   constexpr int64_t D = 16 * kChunks, kPairs = D / 2;
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
   const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
   const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t key_begin = first_key(first_pos, window);  // the first key its query 0 sees
   const int64_t rows = w.num_queries * group;  // row = query * group + r
   const int64_t nrb = (rows + 15) / 16, rpad = nrb * 16;
   const int64_t token0 = query_start[w.request] + w.first_query;
@@ -634,7 +679,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   std::vector<float> acc(rpad * D), s(kTiledKeys * rpad), lsum(rpad);
   std::vector<__m512bh> vi(kTiledKeys / 2 * kChunks);
   std::vector<__m512> m(nrb), l(nrb);
-  std::vector<__m512i> row_pos(nrb);
+  std::vector<__m512i> row_pos(nrb), row_first(nrb);  // per lane: its position, its first key
   std::vector<int64_t> key_offset(kTiledKeys);
   alignas(64) float alpha_lanes[16];
   // (a0, b0, a1, b1, ...): the bf16 of two vectors interleaved, as pairs, low then high half.
@@ -656,20 +701,26 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       for (int64_t p = 0; p < kPairs; ++p) qt[((r / 16) * kPairs + p) * 16 + r % 16] = src[p];
     }
     for (int64_t rb = 0; rb < nrb; ++rb) {
-      alignas(64) int32_t pos[16];
-      for (int i = 0; i < 16; ++i) pos[i] = static_cast<int32_t>(first_pos + std::min(rb * 16 + i, rows - 1) / group);
+      alignas(64) int32_t pos[16], first[16];
+      for (int i = 0; i < 16; ++i) {
+        pos[i] = static_cast<int32_t>(first_pos + std::min(rb * 16 + i, rows - 1) / group);
+        first[i] = static_cast<int32_t>(first_key(pos[i], window));
+      }
       row_pos[rb] = _mm512_load_si512(pos);
+      row_first[rb] = _mm512_load_si512(first);
       m[rb] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       l[rb] = _mm512_setzero_ps();
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
 
-    for (int64_t chunk0 = 0; chunk0 < n_keys; chunk0 += kTiledKeys) {
+    // Chunks of kTiledKeys absolute positions from the one that holds key_begin.
+    for (int64_t chunk0 = key_begin / kTiledKeys * kTiledKeys; chunk0 < n_keys; chunk0 += kTiledKeys) {
       const int64_t nk = std::min(kTiledKeys, n_keys - chunk0);
       const int64_t nk8 = (nk + 7) / 8 * 8, n_pairs = (nk + 1) / 2;
-      // Keys past nk repeat the last one (in bounds; masked below).
+      // Keys past nk repeat the last one, keys before key_begin the first one (in bounds and
+      // in the window; masked below).
       for (int64_t j = 0; j < nk8; ++j) {
-        const int64_t pos = chunk0 + std::min(j, nk - 1);
+        const int64_t pos = std::max(key_begin, chunk0 + std::min(j, nk - 1));
         key_offset[j] = travelator::kv_row(table[pos / bs], h, pos % bs, num_kv_heads, bs) * D;
       }
       // (1) scores, 8 keys x 16 rows at a time: s[j][row].
@@ -690,22 +741,29 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
         }
       }
       // (2) online softmax down the lanes; p is exactly 0 where a row does not see a key.
+      // The lanes of row block rb that see the key at `key`: row_first <= key <= row_pos.
+      auto sees = [&](int64_t key, int64_t rb) {
+        const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
+        return _mm512_mask_cmpge_epi32_mask(_mm512_cmple_epi32_mask(k, row_pos[rb]), k, row_first[rb]);
+      };
       for (int64_t rb = 0; rb < nrb; ++rb) {
-        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < nk; ++j) {
-          const __mmask16 sees = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(chunk0 + j)), row_pos[rb]);
-          mx = _mm512_mask_max_ps(mx, sees, mx, _mm512_loadu_ps(&s[j * rpad + rb * 16]));
-        }
+        const float neg_inf = -std::numeric_limits<float>::infinity();
+        __m512 mx = _mm512_set1_ps(neg_inf);
+        for (int64_t j = 0; j < nk; ++j)
+          mx = _mm512_mask_max_ps(mx, sees(chunk0 + j, rb), mx, _mm512_loadu_ps(&s[j * rpad + rb * 16]));
         const __m512 m_new = _mm512_max_ps(m[rb], mx);
-        // Every row sees key 0, so m_new is finite from the first chunk on.
-        const __m512 alpha = travelator::vec16::exp(_mm512_sub_ps(m[rb], m_new));
+        // Without a window every row sees key 0, so m_new is finite from the first chunk on.
+        // Under one, a later row may see none of the tile's first chunk: its m stays -inf
+        // and its alpha is 0 (l and acc are still 0 there), not exp(-inf + inf).
+        const __mmask16 seen = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+        const __m512 alpha = _mm512_maskz_mov_ps(seen, travelator::vec16::exp(_mm512_sub_ps(m[rb], m_new)));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < 2 * n_pairs; j += 2) {
           __m512 p2[2];
           for (int u = 0; u < 2; ++u) {
             if (j + u < nk) {
-              const __mmask16 sees = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(chunk0 + j + u)), row_pos[rb]);
-              p2[u] = _mm512_maskz_mov_ps(sees, travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
+              p2[u] = _mm512_maskz_mov_ps(sees(chunk0 + j + u, rb),
+                                          travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
             } else {
               p2[u] = _mm512_setzero_ps();
             }
@@ -753,7 +811,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-         const at::Tensor& block_tables, double scale, bool tiled) {
+         const at::Tensor& block_tables, double scale, bool tiled, int64_t window) {
   const int64_t num_requests = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
@@ -776,14 +834,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                          num_kv_heads * (p + 1) / parts});
     items.swap(split);
   }
-  // Longest items first, handed out one at a time: causal tiles differ a lot in cost.
-  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
-    const int64_t ca = (seq_lens.data_ptr<int64_t>()[a.request] - (qs[a.request + 1] - qs[a.request]) +
-                        a.first_query) * a.num_queries;
-    const int64_t cb = (seq_lens.data_ptr<int64_t>()[b.request] - (qs[b.request + 1] - qs[b.request]) +
-                        b.first_query) * b.num_queries;
-    return ca > cb;
-  });
+  // Longest items first, handed out one at a time: causal tiles differ a lot in cost (the
+  // keys of an item's first query, at most the window, times its queries).
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  auto cost = [&](const WorkItem& w) {
+    const int64_t pos = lens[w.request] - (qs[w.request + 1] - qs[w.request]) + w.first_query;
+    return (pos + 1 - first_key(pos, window)) * w.num_queries;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
   // Without `tiled`, one kernel for every row of the call: the choice depends on the shapes
   // only. With it, items of many rows take the tiled kernel.
   (void)tiled;  // unused where the tiled kernel is not built
@@ -812,7 +870,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                      v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
                      seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
                      block_tables.size(1), q.stride(0), num_heads, num_kv_heads, block_size,
-                     static_cast<float>(scale));
+                     static_cast<float>(scale), window);
             continue;
           }
         }
@@ -821,7 +879,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                 v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
                 seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
                 block_tables.size(1), q.stride(0), num_heads, num_kv_heads, head_dim, block_size,
-                static_cast<float>(scale));
+                static_cast<float>(scale), window);
       }
     }
   });
@@ -830,12 +888,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 template <typename scalar_t>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables, double scale, bool tiled) {
+                    const at::Tensor& block_tables, double scale, bool tiled, int64_t window) {
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
-    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
-    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
-    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled);
+    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
+    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
+    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
+    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
     default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
@@ -844,12 +902,16 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // (D + 4 for int8 caches: codes, then the row's float32 scale); query_start [B + 1],
 // seq_lens [B] (keys after this step's tokens are written), block_tables [B, width]:
 // all int64. Request r's queries are rows query_start[r] .. query_start[r + 1] of q, at
-// positions seq_lens[r] - q_len .. seq_lens[r] - 1; query i sees keys 0 .. its position.
+// positions seq_lens[r] - q_len .. seq_lens[r] - 1; query i sees keys 0 .. its position p,
+// or with a sliding window (window > 0) keys max(0, p - window + 1) .. p. Keys before the
+// first one a request's first query sees are never read: the table entries of blocks
+// wholly before it may name any block.
 // tiled: prefill tiles may take the faster tiled kernel (bf16), whose numbers depend on
 // the tile; without it every row's numbers are independent of the rest of the call.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale, bool tiled) {
+                           const at::Tensor& block_tables, double scale, bool tiled, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -864,9 +926,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "paged_attention: metadata sizes do not match");
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled); break;
-    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled); break;
-    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled); break;
+    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window); break;
+    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -876,6 +938,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(travelator, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start, "
-        "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False) -> Tensor");
+        "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False, int window=0) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
