@@ -46,10 +46,38 @@ def phi3_overrides(original: int, maximum: int, partial: float = 0.75, head_dim:
                 rope_parameters=rope, sliding_window=None, pad_token_id=0)
 
 
+def gemma3_overrides(window: int = 4096) -> dict:
+    """Gemma 3's text model in small: head_dim 32 beside hidden 64, query_pre_attn_scalar of its
+    own, sliding and global layers interleaved (each with its rope base; the global ones with
+    linear rope scaling), a window of ``window`` keys, the embedding scaled."""
+    return dict(
+        head_dim=32, query_pre_attn_scalar=24, num_hidden_layers=3, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}},
+        # Untied: a tied LM head reads back the scaled embedding of the last token, and greedy
+        # tokens of a random model then repeat it forever.
+        tie_word_embeddings=False, pad_token_id=0,
+    )
+
+
+def randomize(path: Path, suffixes: tuple[str, ...], scale: float, offset: float = 0.0, seed: int = 1) -> None:
+    """Redraw the checkpoint's tensors whose names end with ``suffixes`` as offset + scale * U(-1, 1)
+    (transformers initialises norms and biases to constants, which hide mistakes in them)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for name, t in weights.items():
+        if name.endswith(suffixes):
+            weights[name] = offset + scale * (2 * torch.rand(t.shape, generator=g) - 1)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def build_checkpoint(path: Path, family: str, **overrides) -> Path:
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+                              Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -63,6 +91,7 @@ def build_checkpoint(path: Path, family: str, **overrides) -> Path:
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[family]
     torch.manual_seed(0)
     model = cls[1](cls[0](**common)).eval()

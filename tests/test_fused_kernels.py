@@ -7,7 +7,7 @@ import torch
 
 from travelator import kernels
 from travelator.model import kv_cache
-from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from travelator.model.layers import RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, silu_and_mul
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
 ops = torch.ops.travelator
@@ -64,6 +64,19 @@ def test_silu_and_mul(dtype, inter):
     got = ops.silu_and_mul(gate_up)
     assert got[3, 7].isnan() and got.isnan().sum() == 1
     torch.testing.assert_close(got, want, equal_nan=True, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [1152, 100, 7])  # 100, 7: partial vectors at the end of a row
+def test_gelu_tanh_and_mul(dtype, inter):
+    """GeGLU (Gemma): against float64 arithmetic of the tanh formula and the torch layer."""
+    gate_up = (torch.randn(33, 2 * inter, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([30.0, -30.0, 0.0])  # saturated both ways, and zero
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    got = ops.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(got, gelu_tanh_and_mul(gate_up), **TOL[dtype])
+    torch.testing.assert_close(got.double(), (gelu.to(dtype).double() * up), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from hf_models import build_checkpoint, load_reference, phi3_overrides, reference_greedy, reference_logprobs
+from hf_models import (build_checkpoint, gemma3_overrides, load_reference, phi3_overrides, randomize,
+                       reference_greedy, reference_logprobs)
 from staggered import greedy, run_staggered
 from travelator import LLM, SamplingParams
 
@@ -27,6 +28,11 @@ FAMILIES = {
     # Fused QKV and gate/up tensors, partial rotary, LongRoPE's short factors (the context stays
     # within the pretraining length; tests/test_phi3.py takes the long ones).
     "phi3": phi3_overrides(original=512, maximum=512, head_dim=16),
+    # Sandwich and unit-offset norms (random here: transformers initialises them to zero), head
+    # q/k norms, GeGLU, the scaled embedding, query_pre_attn_scalar, a rope per kind of layer.
+    "gemma3": gemma3_overrides(),
+    # Its sliding layers with a window of 5: local and global layers both at work.
+    "gemma3_w5": gemma3_overrides(window=5),
     # Llama 3 style: tied embeddings and llama3 rope scaling.
     "llama3": {"tie_word_embeddings": True, "rope_theta": 500000.0,
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -42,6 +48,10 @@ def checkpoint(request, tmp_path_factory):
     name = request.param
     family = "llama" if name.startswith("llama") else name.split("_")[0]  # mistral_w7: mistral
     path = build_checkpoint(tmp_path_factory.mktemp(name), family, **FAMILIES[name])
+    if family == "gemma3":
+        randomize(path, ("norm.weight",), 0.5)  # unit offset: scales of 0.5 to 1.5
+    elif family == "qwen3":
+        randomize(path, ("q_norm.weight", "k_norm.weight"), 0.5, offset=1.0)
     return path, load_reference(path)
 
 

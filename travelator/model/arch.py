@@ -15,13 +15,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4-mini: fused QKV and gate/up, LongRoPE
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text model (model_type gemma3_text)
 }
+MODEL_TYPES = {"gemma3_text": "gemma3"}  # config model_type -> family, where they differ
 # GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Families whose every layer slides when the config gives a window (others need use_sliding_window).
 WINDOWED_FAMILIES = ("mistral", "phi3")
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before rope.
-QK_NORM_FAMILIES = ("qwen3",)
+QK_NORM_FAMILIES = ("qwen3", "gemma3")
 
 
 def unsupported_architecture(name: object) -> ValueError:
@@ -51,6 +53,15 @@ class ModelArch:
     layer_types: tuple[str, ...] | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before rope
     rotary_dim: int | None = None  # rope turns the first rotary_dim numbers of a head (None: all)
+    hidden_act: str = "silu"  # the gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    # Gemma 3: norms scale by 1 + w, the embedding by sqrt(hidden), the attention scores by
+    # attention_scale (None: head_dim ** -0.5), sliding layers take rope base local_rope_theta
+    # (without rope_scaling), and the logits may be soft-capped.
+    norm_unit_offset: bool = False
+    embed_scale: bool = False
+    attention_scale: float | None = None
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -85,9 +96,11 @@ class ModelArch:
         archs = cfg.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
-            family = cfg.get("model_type")
+            family = MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
             if family not in SUPPORTED_ARCHITECTURES.values():
                 raise unsupported_architecture(archs or family)
+        if family == "gemma3":
+            return _gemma3(cls, cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -117,6 +130,60 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _gemma3(cls: type[ModelArch], cfg: dict[str, Any]) -> ModelArch:
+    """Gemma 3's text config: interleaved sliding and full layers, each kind with its own rope
+    (transformers 5 writes ``rope_parameters`` per layer type; older configs rope_theta,
+    rope_local_base_freq and rope_scaling)."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3 activation {cfg['hidden_activation']!r} is not supported")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # every sliding_window_pattern-th layer is global
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") if "full_attention" in rope else None
+    local = rope.get("sliding_attention") if "sliding_attention" in rope else None
+    theta = (full or {}).get("rope_theta") or cfg.get("rope_theta", 1_000_000.0)
+    local_theta = (local or {}).get("rope_theta") or cfg.get("rope_local_base_freq", 10_000.0)
+    if local is not None and local.get("rope_type", "default") != "default":
+        raise ValueError("Gemma 3 sliding layers with scaled rope are not supported")
+    scaling = _rope_scaling({"rope_scaling": full} if full is not None else cfg)
+    num_heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id", 1)
+    return cls(
+        family="gemma3",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim", 256),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        attention_bias=cfg.get("attention_bias", False),
+        sliding_window=cfg.get("sliding_window", 4096),
+        layer_types=tuple(types),
+        qk_norm=True,
+        hidden_act="gelu_tanh",
+        norm_unit_offset=True,
+        embed_scale=True,
+        attention_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+        local_rope_theta=local_theta,
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+    )
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -20,6 +20,11 @@ from travelator.model.attention import AttentionMetadata
 from travelator.model.layers import RotaryEmbedding
 
 
+# Families whose layers the native stack does not run: Gemma 3's sandwich norms, two ropes and
+# unit-offset norms are the Python layers' (model/gemma3.py).
+STACKLESS_FAMILIES = ("gemma3",)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerStack:
     """The per-layer arguments of ``decoder_layers``, gathered once from a model."""
@@ -42,6 +47,8 @@ class LayerStack:
         """The stack of a LlamaModel, or None where its layers cannot run natively."""
         ops = model.ops
         if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if model.arch.family in STACKLESS_FAMILIES:
             return None
         norms, head_norms, tensors, ints, windows, kinds = [], [], [], [], [], set()
         for layer in model.layers:

@@ -1,6 +1,10 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) written for flat batches.
+"""The decoder model of every supported architecture, written for flat batches: the Llama
+family's decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3) and, around any architecture's
+layers (``LAYERS``: Gemma 3's in gemma3.py), the embedding, final norm, LM head, weight loading,
+tensor parallelism and quantization.
 
-Qwen3 is Llama with each query and key head RMS-normalised before rope (``ModelArch.qk_norm``).
+Qwen3 is Llama with each query and key head RMS-normalised before rope (``ModelArch.qk_norm``);
+Phi-3 is Llama with fused checkpoint tensors, LongRoPE and partial rotary.
 
 Selective batching: embedding, norms, the fused QKV and output projections, the
 MLP and the LM head run once over all tokens of all requests in the step; only
@@ -25,7 +29,9 @@ from torch import nn
 
 from travelator.distributed.comm import TPGroup, check_divisible
 from travelator.model.arch import ModelArch
-from travelator.model.attention import AttentionMetadata, PagedAttention
+from travelator.model.attention import AttentionMetadata
+from travelator.model.blocks import MLP, Attention, param
+from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
 from travelator.model.ops import TorchOps
@@ -37,69 +43,6 @@ logger = logging.getLogger(__name__)
 # The linear layers ``quantization`` applies to: an untied LM head too (a tied one is also the
 # embedding, whose rows are read as they are).
 QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight", "lm_head")
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class Attention(nn.Module):
-    """Fused QKV projection, per-head q/k norm (Qwen3), rope, paged attention over the KV
-    cache, output projection."""
-
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps, layer: int,
-                 tp: TPGroup | None = None) -> None:
-        super().__init__()
-        size = tp.size if tp is not None else 1
-        self.ops = ops
-        self.tp = tp
-        h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads // size, arch.num_kv_heads // size, d
-        self.q_size = self.num_heads * d
-        self.kv_size = self.num_kv_heads * d
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if arch.attention_bias else None
-        self.o_weight = _param(h, self.q_size, dtype=dtype)
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, window=arch.window_of(layer))
-
-    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
-        t = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.ops.head_rms_norm(q, self.q_norm), self.ops.head_rms_norm(k, self.k_norm)
-        q, k = self.ops.rope(positions, q, k, rope)
-        attn = self.attn(q, k, v, k_cache, v_cache, meta)
-        o = self.ops.linear(attn.reshape(t, self.q_size), self.o_weight)
-        if self.tp is not None:
-            self.tp.all_reduce(o)
-        return o
-
-
-class MLP(nn.Module):
-    """SwiGLU: fused gate/up projection, SiLU(gate) * up, down projection."""
-
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps,
-                 tp: TPGroup | None = None) -> None:
-        super().__init__()
-        size = tp.size if tp is not None else 1
-        self.ops = ops
-        self.tp = tp
-        inter = arch.intermediate_size // size
-        self.gate_up_weight = _param(2 * inter, arch.hidden_size, dtype=dtype)
-        self.down_weight = _param(arch.hidden_size, inter, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_weight)), self.down_weight)
-        if self.tp is not None:
-            self.tp.all_reduce(out)
-        return out
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +72,10 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(normed)
 
 
+# The decoder layer of each family (others: DecoderLayer).
+LAYERS: dict[str, type[nn.Module]] = {"gemma3": Gemma3DecoderLayer}
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int,
                  tp: TPGroup | None = None, ops: TorchOps | None = None,
@@ -154,11 +101,16 @@ class LlamaModel(nn.Module):
         self.shards, self.full_shapes = _layout(arch)
         vocab = self.shards["embed"].local_shape(self.full_shapes["embed"], self.tp_size)[0]
         self.vocab_start = self.tp_rank * vocab  # this rank's slice of the vocabulary
-        self.embed = _param(vocab, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.ops, i, tp) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = None if arch.tie_word_embeddings else _param(vocab, arch.hidden_size, dtype=dtype)
+        self.embed = param(vocab, arch.hidden_size, dtype=dtype)
+        layer_class = LAYERS.get(arch.family, DecoderLayer)
+        self.layers = nn.ModuleList(layer_class(arch, dtype, self.ops, i, tp) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, unit_offset=arch.norm_unit_offset)
+        self.lm_head = None if arch.tie_word_embeddings else param(vocab, arch.hidden_size, dtype=dtype)
         self.rope = RotaryEmbedding(arch.rotary_size, max_positions, arch.rope_theta, arch.rope_scaling)
+        # Gemma 3: sliding layers turn by their own base, without the model's rope scaling.
+        local = (RotaryEmbedding(arch.rotary_size, max_positions, arch.local_rope_theta, None)
+                 if arch.local_rope_theta is not None else self.rope)
+        self.rope_of_layer = [self.rope if arch.window_of(i) is None else local for i in range(arch.num_layers)]
         # Steps the native layer stack covers run every layer in one call (model/layer_stack.py),
         # with the same results; False keeps them on the Python layers (tests compare the two).
         self.use_layer_stack = True
@@ -243,8 +195,8 @@ class LlamaModel(nn.Module):
         stack = self._native_layer_stack()
         if stack is not None and stack.covers(self.ops, x.shape[0], meta, kv_caches):
             return stack(self.ops, x, positions, self.rope, kv_caches, meta)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, positions, self.rope, k_cache, v_cache, meta)
+        for layer, rope, (k_cache, v_cache) in zip(self.layers, self.rope_of_layer, kv_caches):
+            x, delta = layer(x, delta, positions, rope, k_cache, v_cache, meta)
         return self.ops.add_rms_norm(x, delta, self.norm)[1]
 
     def _native_layer_stack(self) -> LayerStack | None:
@@ -256,12 +208,16 @@ class LlamaModel(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.embedding(input_ids, self.embed)
-        # Vocabulary-parallel: ids outside this rank's slice embed to zero, then sum.
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.embed.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.embed)
-        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+            x = F.embedding(input_ids, self.embed)
+        else:
+            # Vocabulary-parallel: ids outside this rank's slice embed to zero, then sum.
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.embed.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.embed)
+            x = self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+        if self.arch.embed_scale:  # Gemma: by sqrt(hidden), rounded to the model dtype first
+            x = x * torch.tensor(self.arch.hidden_size**0.5).to(x.dtype)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -269,10 +225,13 @@ class LlamaModel(nn.Module):
         when it needs more than a greedy pick); with tensor parallelism on the driver only
         (the other ranks send their slice and get None)."""
         logits = self.ops.linear(hidden, self.lm_head_weight)
-        if self.tp is None:
-            return logits
-        full = self.tp.gather(logits, dim=-1)
-        return None if full is None else full[:, : self.arch.vocab_size]
+        if self.tp is not None:
+            full = self.tp.gather(logits, dim=-1)
+            logits = None if full is None else full[:, : self.arch.vocab_size]
+        cap = self.arch.final_logit_softcapping
+        if cap is not None and logits is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     # ---- weights --------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -354,7 +313,7 @@ class LlamaModel(nn.Module):
         g = torch.Generator().manual_seed(seed)
         for name, p in list(self.named_parameters()):
             if name.endswith("norm.weight"):
-                p.data.fill_(1.0)
+                p.data.fill_(0.0 if self.arch.norm_unit_offset else 1.0)  # a scale of 1 either way
                 continue
             full = torch.randn(self.full_shapes[name], generator=g) * 0.02
             shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
@@ -384,7 +343,9 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "self_attn.o_proj.weight": ("self_attn.o_weight", None),
     "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
     "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
-    "post_attention_layernorm.weight": ("post_attn_norm.weight", None),
+    "post_attention_layernorm.weight": ("post_attn_norm.weight", None),  # Gemma 3: on attention's output
+    "pre_feedforward_layernorm.weight": ("pre_mlp_norm.weight", None),  # Gemma 3
+    "post_feedforward_layernorm.weight": ("post_mlp_norm.weight", None),  # Gemma 3
     "mlp.gate_up_proj.weight": ("mlp.gate_up_weight", None),  # Phi-3: gate, then up
     "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_weight", 1),
@@ -411,6 +372,8 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             p + "self_attn.q_norm.weight": replicated,  # over head_dim: the same on every rank
             p + "self_attn.k_norm.weight": replicated,
             p + "post_attn_norm.weight": replicated,
+            p + "pre_mlp_norm.weight": replicated,
+            p + "post_mlp_norm.weight": replicated,
             p + "mlp.gate_up_weight": Shard(0, (inter, inter)),
             p + "mlp.down_weight": Shard(1, (inter,)),
         }
@@ -422,6 +385,8 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             p + "self_attn.q_norm.weight": (arch.head_dim,),
             p + "self_attn.k_norm.weight": (arch.head_dim,),
             p + "post_attn_norm.weight": (h,),
+            p + "pre_mlp_norm.weight": (h,),
+            p + "post_mlp_norm.weight": (h,),
             p + "mlp.gate_up_weight": (2 * inter, h),
             p + "mlp.down_weight": (h, inter),
         }

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from travelator import kernels
 from travelator.model.attention import AttentionBackend
-from travelator.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from travelator.model.layers import RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, silu_and_mul
 from travelator.model.quant import (
     QUANT_KERNEL_ROWS,
     QUANT_KERNEL_ROWS_FLOAT32_GEMM,
@@ -127,6 +127,10 @@ class TorchOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): the tanh-approximated GELU of the gate times up."""
+        return gelu_tanh_and_mul(gate_up)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,19 +322,29 @@ class NativeOps(TorchOps):
             out += bias
         return out.reshape(*x.shape[:-1], weight.out_features)
 
+    # Gemma's unit-offset norms (1 + w, rounded once) run in torch: the kernels round as Llama's.
     def rms_norm(self, x, norm):
+        if norm.unit_offset:
+            return super().rms_norm(x, norm)
         return self._ops.rms_norm(x, norm.weight, norm.eps)
 
     def add_rms_norm(self, x, delta, norm):
+        if norm.unit_offset:
+            return super().add_rms_norm(x, delta, norm)
         normed = self._ops.add_rms_norm_(x, delta, norm.weight, norm.eps)  # x += delta in place
         return x, normed
 
     def head_rms_norm(self, x, norm):
+        if norm.unit_offset:
+            return super().head_rms_norm(x, norm)
         self._ops.head_rms_norm_(x, norm.weight, norm.eps)
         return x
 
     def silu_and_mul(self, gate_up):
         return self._ops.silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return self._ops.gelu_tanh_and_mul(gate_up)
 
     def rope(self, positions, q, k, rope):
         self._ops.rope_(q, k, positions, rope.cos, rope.sin)  # in place, through the views

@@ -201,8 +201,15 @@ void head_rms_norm_(at::Tensor& x, const at::Tensor& weight, double eps) {
   });
 }
 
+// act(gate) = gate * sigmoid(a) with a = gate (SiLU) or a = 2 sqrt(2/pi) (gate + 0.044715 gate^3)
+// (tanh-approximated GELU: 0.5 x (1 + tanh(z)) is x sigmoid(2 z)), so one loop serves both.
+constexpr float kGeluScale = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+inline float sigmoid_arg(float x, bool gelu) { return gelu ? kGeluScale * (x + kGeluCubic * x * x * x) : x; }
+
 template <typename T>
-void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+void gated_act_mul_impl(const at::Tensor& gate_up, at::Tensor& out, bool gelu) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   const T* in = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -217,7 +224,11 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
         for (int64_t i = 0; i < inter; i += kLanes) {
           const __mmask16 m = v16::lanes(inter - i);
           const __m512 x = v16::load(g + i, m);
-          const __m512 e = v16::exp(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 arg = gelu ? _mm512_mul_ps(_mm512_set1_ps(kGeluScale),
+                                                  _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(kGeluCubic), x),
+                                                                  _mm512_mul_ps(x, x), x))
+                                  : x;
+          const __m512 e = v16::exp(_mm512_sub_ps(_mm512_setzero_ps(), arg));
           const __m512 silu = v16::round_as(T{}, _mm512_mul_ps(x, v16::reciprocal(_mm512_add_ps(one, e))));
           v16::store(o + i, _mm512_mul_ps(silu, v16::load(u + i, m)), m);
         }
@@ -231,7 +242,11 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; i + 8 <= inter; i += 8) {
           const __m256 x = v8::load(g + i);
-          const __m256 e = v8::exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+          const __m256 arg = gelu ? _mm256_mul_ps(_mm256_set1_ps(kGeluScale),
+                                                  _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kGeluCubic), x),
+                                                                  _mm256_mul_ps(x, x), x))
+                                  : x;
+          const __m256 e = v8::exp(_mm256_sub_ps(_mm256_setzero_ps(), arg));
           const __m256 silu = v8::round_as(T{}, _mm256_div_ps(x, _mm256_add_ps(one, e)));
           v8::store(o + i, _mm256_mul_ps(silu, v8::load(u + i)));
         }
@@ -239,7 +254,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
 #endif
       for (; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
-        const float silu = static_cast<float>(round_to<T>(x / (1.0f + travelator::exp_approx(-x))));
+        const float silu = static_cast<float>(round_to<T>(x / (1.0f + travelator::exp_approx(-sigmoid_arg(x, gelu)))));
         o[i] = round_to<T>(silu * static_cast<float>(u[i]));
       }
     }
@@ -251,7 +266,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_and_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  dispatch_float_types(gate_up, "silu_and_mul", [&](auto tag) { silu_mul_impl<decltype(tag)>(gate_up, out); });
+  dispatch_float_types(gate_up, "silu_and_mul", [&](auto tag) { gated_act_mul_impl<decltype(tag)>(gate_up, out, false); });
+  return out;
+}
+
+// [T, 2I] (gate then up) -> [T, I]: round(gelu_tanh(gate)) * up, as layers.gelu_tanh_and_mul (GeGLU).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gelu_tanh_and_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gelu_tanh_and_mul: odd width");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch_float_types(gate_up, "gelu_tanh_and_mul", [&](auto tag) { gated_act_mul_impl<decltype(tag)>(gate_up, out, true); });
   return out;
 }
 
@@ -576,6 +600,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("head_rms_norm_(Tensor(a!) x, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -585,6 +610,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, &add_rms_norm_);
   m.impl("head_rms_norm_", c10::DispatchKey::CPU, &head_rms_norm_);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, &gelu_tanh_and_mul);
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
   m.impl("write_kv_", c10::DispatchKey::CPU, &write_kv_);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
