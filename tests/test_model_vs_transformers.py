@@ -18,9 +18,8 @@ from travelator import LLM, SamplingParams
 FAMILIES = {
     "llama": {},
     "qwen2": {},
-    "mistral": {"sliding_window": 4096},
     # A window shorter than nearly every prompt (3-60 tokens, then up to 24 generated), so that
-    # every test below runs through it; the family above never reaches its 4096.
+    # every test below runs through it.
     "mistral_w7": {"sliding_window": 7},
     # Per-head q/k RMSNorm, tied embeddings as on the small Qwen3 sizes, and a head_dim that is
     # not hidden / heads (Qwen3-0.6B: 1024 / 16 heads with head_dim 128).
@@ -29,9 +28,8 @@ FAMILIES = {
     # within the pretraining length; tests/test_phi3.py takes the long ones).
     "phi3": phi3_overrides(original=512, maximum=512, head_dim=16),
     # Sandwich and unit-offset norms (random here: transformers initialises them to zero), head
-    # q/k norms, GeGLU, the scaled embedding, query_pre_attn_scalar, a rope per kind of layer.
-    "gemma3": gemma3_overrides(),
-    # Its sliding layers with a window of 5: local and global layers both at work.
+    # q/k norms, GeGLU, the scaled embedding, query_pre_attn_scalar, a rope per kind of layer,
+    # and sliding layers with a window of 5 beside global ones.
     "gemma3_w5": gemma3_overrides(window=5),
     # Llama 3 style: tied embeddings and llama3 rope scaling.
     "llama3": {"tie_word_embeddings": True, "rope_theta": 500000.0,
