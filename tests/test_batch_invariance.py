@@ -151,17 +151,26 @@ def test_preemption_and_prefix_hits_keep_the_numbers(batching):
         assert batched[i] == alone(req, "bfloat16", True), i
 
 
-def test_qwen3_head_norms_keep_the_mode():
-    """Qwen3 (per-head q/k norms, in the Python layers and in the native layer stack): the same
-    bits alone and in a batch with chunked prefill, preemption and prefix hits."""
-    reqs = mixed_batch(seed=7)
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3"])
+def test_the_new_architectures_keep_the_mode(family, tmp_path):
+    """Qwen3 (head norms, in the Python layers and the native layer stack), Phi-3 (partial
+    rotary) and Gemma 3 (sandwich norms in torch, GeGLU, sliding layers beside global ones): the
+    same bits alone and in a batch with chunked prefill, preemption and prefix hits."""
+    from hf_models import build_checkpoint, gemma3_overrides, phi3_overrides
+
+    overrides = {"qwen3": {"head_dim": 32}, "phi3": phi3_overrides(original=512, maximum=512),
+                 "gemma3": gemma3_overrides(window=5)}[family]
+    model = str(build_checkpoint(tmp_path / family, family, **overrides))
+    rng = random.Random(7)
+    reqs = [Req(rng.randint(0, 3), tuple(rng.randrange(3, 300) for _ in range(rng.randint(5, 80))), 10, None)
+            for _ in range(8)]
     reqs += [Req(4, reqs[0].prompt + (5, 6, 7), 6, 3)]  # a prefix hit, sampled
-    llm = LLM("dummy:qwen3-tiny", dtype="bfloat16", batch_invariant=True, block_size=8, num_kv_blocks=24,
+    llm = LLM(model, dtype="bfloat16", batch_invariant=True, block_size=8, num_kv_blocks=24,
               max_num_batched_tokens=40)
     batched = run(llm, reqs)
     assert llm.engine.counters.preemptions > 0 and llm.engine.kv.stats.hit_tokens > 0
+    single = LLM(model, dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False)
     for i, req in enumerate(reqs):
-        single = LLM("dummy:qwen3-tiny", dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False)
         assert batched[i] == run(single, [Req(0, req.prompt, req.max_tokens, req.seed)])[0], i
 
 

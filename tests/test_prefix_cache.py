@@ -124,13 +124,16 @@ def test_big_waiting_request_is_overtaken_a_bounded_number_of_times():
 
 
 # ---- end to end, on a real model ------------------------------------------------------
-from hf_models import build_checkpoint, load_reference, reference_greedy  # noqa: E402
+from hf_models import (build_checkpoint, gemma3_overrides, load_reference, phi3_overrides,  # noqa: E402
+                       reference_greedy)
 from travelator import LLM  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3", "gemma3"])
 def checkpoint(tmp_path_factory, request):
-    path = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    overrides = {"phi3": phi3_overrides(original=512, maximum=512),
+                 "gemma3": gemma3_overrides(window=5)}.get(request.param, {})
+    path = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **overrides)
     return path, load_reference(path)
 
 
