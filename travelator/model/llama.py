@@ -1,7 +1,7 @@
 """The decoder model of every supported architecture, written for flat batches: the Llama
 family's decoder layer (Llama, Mistral, Qwen2, Qwen3, Phi-3) and, around any architecture's
 layers (``LAYERS``: Gemma 3's in gemma3.py), the embedding, final norm, LM head, weight loading,
-tensor parallelism and quantization.
+tensor parallelism and quantized weights (which layers and how: quant_policy.py).
 
 Qwen3 is Llama with each query and key head RMS-normalised before rope (``ModelArch.qk_norm``);
 Phi-3 is Llama with fused checkpoint tensors, LongRoPE and partial rotary.
@@ -20,7 +20,6 @@ on the driver). Norms are replicated. Without a group nothing of this runs.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -35,14 +34,8 @@ from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
 from travelator.model.ops import TorchOps
-from travelator.model.quant import (GGUF_BLOCK, BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod,
-                                    int4_shape_ok, quantize)
-
-logger = logging.getLogger(__name__)
-
-# The linear layers ``quantization`` applies to: an untied LM head too (a tied one is also the
-# embedding, whose rows are read as they are).
-QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight", "lm_head")
+from travelator.model.quant import BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod, quantize
+from travelator.model.quant_policy import QuantPolicy
 
 
 class DecoderLayer(nn.Module):
@@ -83,15 +76,11 @@ class LlamaModel(nn.Module):
                  keep_gguf_quants: bool = True, lm_head_quantization: str = "auto") -> None:
         super().__init__()
         self.ops = ops if ops is not None else TorchOps()
-        # Weight-only quantization of the QUANTIZABLE layers: each is quantized as its rows
-        # stream in, and its full-precision parameter (allocated, never written) is dropped.
-        self.quantization, self.group_size = quantization, group_size
-        # An untied LM head's method under quantization (None: kept as loaded); auto is int8.
-        self.lm_head_method: QuantMethod | None = {"auto": "int8", "none": None}.get(
-            lm_head_quantization, lm_head_quantization)
-        self.keep_gguf_quants = keep_gguf_quants
-        self._builders: dict[str, QuantizedBuilder] = {}
-        self._int8_fallbacks: set[tuple[int, int]] = set()
+        # Weight-only quantization (which layers, how: quant_policy.py): each quantized weight is
+        # built as its rows stream in, and its full-precision parameter (allocated, never
+        # written) is dropped.
+        self.quant_policy = QuantPolicy(quantization, group_size, keep_gguf_quants, lm_head_quantization,
+                                        tp.size if tp is not None else 1)
         if tp is not None:
             check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp.size)
         self.arch = arch
@@ -125,48 +114,6 @@ class LlamaModel(nn.Module):
         """Bytes the weights take in memory (quantized ones as stored)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         return total + sum(w.nbytes for w in self.linear_weights() if not isinstance(w, torch.Tensor))
-
-    def _quantizes(self, target: str) -> bool:
-        if target == "lm_head" and self.lm_head_method is None:
-            return False
-        return self.quantization is not None and target.endswith(QUANTIZABLE)
-
-    def _method_for(self, target: str, shape: tuple[int, int]) -> QuantMethod:
-        """int4 where the layer's shape allows it (its kernel's tiling), else int8, said once.
-        The LM head is int8 under int4 too unless lm_head_quantization says otherwise: its error
-        goes straight into the logits (llama.cpp's Q4 mixes keep their output layer at 6 bits or
-        more for the same reason)."""
-        method = self.lm_head_method if target == "lm_head" else self.quantization
-        if method == "int4" and not int4_shape_ok(*shape, self.group_size):
-            if shape not in self._int8_fallbacks:
-                self._int8_fallbacks.add(shape)
-                logger.warning("int4 needs the input size to be a multiple of the group size (%d): "
-                               "layers of shape %s (like %s) are int8", self.group_size, shape, target)
-            return "int8"
-        return method
-
-    def _builder_for(self, target: str, tensor, shape: tuple[int, int],
-                     parts_written: dict[str, int]) -> QuantizedBuilder | None:
-        """Where a checkpoint tensor of ``target`` goes when it is quantized (None: into the
-        parameter as it is). ``quantization`` int8/int4 quantizes every QUANTIZABLE layer; else a
-        GGUF file's blocks (``BlockQuantized``) stay quantized in their own form, on one rank
-        (``keep_gguf_quants``), unless an earlier part of the same fused weight was float."""
-        builder = self._builders.get(target)
-        if builder is not None or not target.endswith(QUANTIZABLE):
-            return builder
-        if self.quantization is not None:
-            if not self._quantizes(target):  # an LM head kept as loaded
-                return None
-            method, group = self._method_for(target, shape), self.group_size
-        elif (isinstance(tensor, BlockQuantized) and self.keep_gguf_quants and self.tp_size == 1
-                and parts_written.get(target, 0) <= 1):
-            method, group = tensor.method, GGUF_BLOCK
-            if method == "int4" and not int4_shape_ok(*shape, group):
-                method = "int8"
-        else:
-            return None
-        builder = self._builders[target] = QuantizedBuilder(shape, method, group)
-        return builder
 
     def _install(self, target: str, weight: QuantizedWeight) -> None:
         """Put a quantized weight where its parameter was (which is dropped)."""
@@ -247,6 +194,7 @@ class LlamaModel(nn.Module):
         expected = set(params)
         written: set[str] = set()
         parts_written: dict[str, int] = {}
+        builders: dict[str, QuantizedBuilder] = {}  # quantized weights being filled
         for name, tensor in weights:
             name = name.removeprefix("model.")
             mapped = self._checkpoint_target(name)
@@ -258,16 +206,22 @@ class LlamaModel(nn.Module):
             shard = self.shards[target]
             full_shape = self.full_shapes[target]
             dest = params[target].data
+            earlier_parts = parts_written.get(target, 0)
             if part is not None:
                 full_shape = shard.part_shape(full_shape, part)
                 lo = shard.local_offset(part, size)
                 dest = dest.narrow(shard.dim, lo, shard.piece(part, size))
-                parts_written[target] = parts_written.get(target, 0) + 1
+                parts_written[target] = earlier_parts + 1
             if tuple(tensor.shape) != tuple(full_shape):
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
                 )
-            builder = self._builder_for(target, tensor, tuple(params[target].shape), parts_written)
+            builder = builders.get(target)
+            if builder is None:  # the first of its tensors (or all so far went in as float)
+                local_shape = tuple(params[target].shape)
+                fmt = self.quant_policy.for_checkpoint(target, tensor, local_shape, earlier_parts)
+                if fmt is not None:
+                    builder = builders[target] = QuantizedBuilder(local_shape, fmt.method, fmt.group_size)
             if isinstance(tensor, BlockQuantized) and builder is None:
                 tensor = tensor.dequantize()
             row0 = shard.local_offset(part, size) if part is not None else 0
@@ -282,8 +236,8 @@ class LlamaModel(nn.Module):
                 builder.write_rows(row0, local(tensor))
             if part is None or parts_written[target] == len(shard.parts):
                 written.add(target)
-                if target in self._builders:
-                    self._install(target, self._builders.pop(target).finish())
+                if target in builders:
+                    self._install(target, builders.pop(target).finish())
         missing = expected - written
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
@@ -317,9 +271,9 @@ class LlamaModel(nn.Module):
                 continue
             full = torch.randn(self.full_shapes[name], generator=g) * 0.02
             shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
-            if self._quantizes(name):
-                method = self._method_for(name, tuple(shard.shape))
-                self._install(name, quantize(shard, method, self.group_size))
+            fmt = self.quant_policy.for_random(name, tuple(shard.shape))
+            if fmt is not None:
+                self._install(name, quantize(shard, fmt.method, fmt.group_size))
             else:
                 p.data.copy_(shard)
 
