@@ -282,12 +282,13 @@ def torch_attend(q, k_cache, v_cache, k_ref, v_ref, reqs, heads, kvh, d, window)
     (torch.float32, torch.int8, 1e-5, False),
     (torch.bfloat16, torch.int8, 2e-2, False),
 ])
-@pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20), (16, 4, 1, 128)])
+@pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20), (16, 4, 1, 128),
+                                                  (16, 4, 1, 256)])  # 256: Gemma 3's heads
 def test_sliding_window_matches_reference_and_torch(dtype, kv_dtype, tol, tiled, block_size, heads, kvh, d):
     """Windows of 1 key, smaller than a block, one block, not a multiple of the block size
     nor of a key chunk, and longer than every context (then the same bits as no window),
     over decodes and prefill chunks on every path the shapes take (head_dim 20: the portable
-    one; 32, 64, 128: AVX2 or AVX-512, and the tiled bf16 kernel where built). The blocks
+    one; 32, 64, 128, 256: AVX2 or AVX-512, and the tiled bf16 kernel where built). The blocks
     before each request's window are table entries no backend may read."""
     scale = d**-0.5
     for window in (1, 3, block_size, 21, 40, 1000):

@@ -227,7 +227,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
 }
 
 #if defined(__AVX512F__)
-// The same work on AVX-512, for head_dim 32, 64 or 128. One item takes every KV head
+// The same work on AVX-512, for head_dim 32, 64, 128 or 256. One item takes every KV head
 // of its request. Keys are taken in chunks of kKeyChunk absolute positions (so the
 // chunking is the same for a decode, a prefill tile or a whole prompt); per chunk and
 // KV head: (1) the scores of every row of the head's query group, 16 keys at a time,
@@ -489,7 +489,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
 #if defined(TRAVELATOR_VEC8)
 namespace v8 = travelator::vec8;
 
-// AVX2 path (8 floats a vector), for head_dim 32, 64 or 128 on CPUs without AVX-512.
+// AVX2 path (8 floats a vector), for head_dim 32, 64, 128 or 256 on CPUs without AVX-512.
 // One KV head at a time, keys in chunks of kRowKeyChunk absolute positions (as the
 // portable path); per row and chunk: the scores (a dot product per key, read in place from
 // the cache and widened to float, then summed across lanes in a fixed order), an
@@ -520,7 +520,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
                            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                            float scale, int64_t window) {
   constexpr int64_t D = 8 * kChunks, C = kRowKeyChunk, kRow = row_width<cache_t>(D);
-  constexpr int64_t kHalf = kChunks > 8 ? kChunks / 2 : kChunks;  // accumulators in registers at once
+  constexpr int64_t kHalf = kChunks > 8 ? 8 : kChunks;  // accumulators in registers at once
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
   const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
@@ -855,10 +855,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (head_dim == 32) item_fn = &attend_item_vec<scalar_t, cache_t, 2>;
         if (head_dim == 64) item_fn = &attend_item_vec<scalar_t, cache_t, 4>;
         if (head_dim == 128) item_fn = &attend_item_vec<scalar_t, cache_t, 8>;
+        if (head_dim == 256) item_fn = &attend_item_vec<scalar_t, cache_t, 16>;  // Gemma 3
 #elif defined(TRAVELATOR_VEC8)
         if (head_dim == 32) item_fn = &attend_item_avx2<scalar_t, cache_t, 4>;
         if (head_dim == 64) item_fn = &attend_item_avx2<scalar_t, cache_t, 8>;
         if (head_dim == 128) item_fn = &attend_item_avx2<scalar_t, cache_t, 16>;
+        if (head_dim == 256) item_fn = &attend_item_avx2<scalar_t, cache_t, 32>;  // Gemma 3
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
