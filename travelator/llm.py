@@ -1,16 +1,18 @@
-"""Offline API: ``LLM(model).generate(prompts, params)``."""
+"""Offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages, params)``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
+from travelator.chat import ChatMessageError, render_chat
 from travelator.engine.engine import LLMEngine
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine_args import engine_config
+from travelator.model.tokenizer import Tokenizer
 from travelator.prompts import Prompt, PromptInput, parse_prompts
 from travelator.sampling_params import SamplingParams
 
@@ -66,6 +68,10 @@ class LLM:
         self.engine = LLMEngine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (encode, decode, ``apply_chat_template``, special ids)."""
+        return self.tokenizer
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
         self.engine.shutdown()
@@ -115,6 +121,59 @@ class LLM:
                     remaining.discard(out.request_id)
                     bar.update(1)
         bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate the next turn of one conversation, or of each of a list of them, as vLLM's
+        ``LLM.chat``: results in conversation order, each with the rendered prompt as its
+        ``prompt``.
+
+        A conversation is a list of ``{"role", "content"}`` messages (content a string or a
+        list of ``{"type": "text", "text"}`` parts; assistant turns may carry ``tool_calls``).
+        Each is rendered with the model's chat template (``chat_template``, a jinja source,
+        replaces it; models without one use the tokenizer's fallback) exactly as the server's
+        ``/v1/chat/completions`` renders it, ``tools`` offered to templates that show them and
+        ``chat_template_kwargs`` as more template variables, then encoded without adding
+        special tokens (the template wrote them). ``add_generation_prompt`` opens the
+        assistant's turn; ``continue_final_message`` (with ``add_generation_prompt=False``)
+        leaves the last message open for the model to continue. ValueError for a malformed
+        message, naming it.
+        """
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
+            raise ChatMessageError("messages is a conversation (a list of message dicts) or a "
+                                   "list of conversations")
+        one = isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        texts, prompts = [], []
+        for c, conversation in enumerate(conversations):
+            try:
+                text = render_chat(
+                    self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            except ChatMessageError as exc:
+                if one:
+                    raise
+                raise ChatMessageError(f"conversation {c}: {exc}", f"{c}.{exc.param}") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise ValueError(f"conversation {c} renders to an empty prompt")
+            texts.append(text)
+            prompts.append({"prompt_token_ids": ids})
+        results = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for result, text in zip(results, texts):
+            result.prompt = text
         return results
 
     def _queue(self, prompts: list[Prompt], params: list[SamplingParams]) -> dict[str, tuple[int, int]]:

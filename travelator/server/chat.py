@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
+from travelator.chat import ChatMessageError, render_chat
 from travelator.engine.outputs import RequestOutput
 from travelator.server.constraints import constraint_spec
 from travelator.server.errors import APIError
@@ -35,7 +35,6 @@ from travelator.server.tools import (
     ToolPlan,
     finish_reason,
     plan_tools,
-    template_messages_tool_calls,
 )
 from travelator.structured import StructuredOutput
 
@@ -81,31 +80,12 @@ def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
                     add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     """The prompt text of ``chat_messages`` (and of the ``tools`` offered, for templates that
     render them) through the model's chat template (also what ``POST /tokenize`` encodes for
-    a chat body)."""
-    messages = []
-    for i, m in enumerate(chat_messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"content parts of type {part.type!r} are not supported",
-                                   param=f"messages.{i}.content")
-                parts.append(part.text)
-            content = "".join(parts)
-        msg = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_calls:
-            msg["tool_calls"] = template_messages_tool_calls(m.tool_calls)
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        messages.append(msg)
-    extra = {"tools": tools} if tools else {}
+    a chat body): travelator.chat's rendering, the same as ``LLM.chat``'s."""
     try:
-        return serving.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
-    except jinja2.TemplateError as exc:
-        raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+        return render_chat(serving.tokenizer, [m.model_dump(exclude_none=True) for m in chat_messages],
+                           add_generation_prompt=add_generation_prompt, tools=tools)
+    except ChatMessageError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None,

@@ -24,6 +24,8 @@ from pydantic import (
     model_serializer,
 )
 
+from travelator.chat import ChatRole
+
 # JSON integers the engine can take as a seed.
 _INT64 = Field(default=None, ge=-(2**63), le=2**64 - 1)
 
@@ -129,9 +131,6 @@ class TextContentPart(BaseModel):
 
     type: str
     text: str | None = None
-
-
-ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class FunctionCall(BaseModel):

@@ -135,19 +135,6 @@ def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def template_messages_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """An assistant turn's calls as chat templates read them: arguments as an object where
-    they are JSON (templates write them with ``tojson``), as sent otherwise."""
-    out = []
-    for c in calls:
-        try:
-            arguments: Any = json.loads(c.function.arguments)
-        except json.JSONDecodeError:
-            arguments = c.function.arguments
-        out.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}})
-    return out
-
-
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
