@@ -22,9 +22,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompts = args.prompt or ["Once upon a time"]
-    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+    if llm.get_tokenizer().chat_template is not None and not args.no_chat_template:
+        # An instruct model: each prompt is a user message; its answer is printed alone.
+        results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        shown = ["" for _ in prompts]
+    else:
+        results = llm.generate(prompts, params, use_tqdm=False)
+        shown = prompts
+    for prefix, result in zip(shown, results):
         out = result.outputs[0]
-        print(prompt + out.text)
+        print(prefix + out.text)
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0
 
@@ -97,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="continue each prompt as raw text even when the model has a chat template "
+                          "(default with a template: each prompt is a user message and the "
+                          "assistant's answer is printed; models without one always continue text)")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
