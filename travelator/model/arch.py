@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 MODEL_TYPES = {"gemma3_text": "gemma3"}  # config model_type -> family, where they differ
 # GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
 # Families whose every layer slides when the config gives a window (others need use_sliding_window).
 WINDOWED_FAMILIES = ("mistral", "phi3")
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before rope.

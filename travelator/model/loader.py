@@ -1,6 +1,7 @@
 """Find a model's shape, weights and tokenizer from what the user points at:
 a HF-layout directory (config.json, *.safetensors, tokenizer files), a GGUF file of
-an architecture in ``arch.GGUF_ARCHITECTURES``, or ``dummy:<preset>`` (random weights of a
+an architecture in ``arch.GGUF_ARCHITECTURES`` (llama.cpp's tensor names and metadata keys, as
+its convert_hf_to_gguf.py writes them), or ``dummy:<preset>`` (random weights of a
 built-in shape).
 """
 
@@ -94,7 +95,9 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------
-_GGUF_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_GGUF_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# llama.cpp's names of a layer's tensors -> HF's (without "model.layers.N."), in every family
+# but where _GGUF_FAMILY_NAMES says otherwise.
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -108,6 +111,17 @@ _GGUF_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+_GGUF_FAMILY_NAMES = {
+    # Phi-3: the checkpoint's fused tensors, whole (ffn_up holds gate, then up: 2 x n_ff rows).
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Gemma 3's sandwich norms: ffn_norm is the MLP's input norm here, not the one after attention.
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# Model-level tensors read into ModelArch, not loaded as weights (Phi-3's LongRoPE factors).
+_GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_GEMMA3_SWA_PERIOD = 6  # llama.cpp's Gemma 3 default: every sixth layer is global
+_GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # llama.cpp's Gemma 3 default when the file names none
 
 
 def _open_gguf(path: Path) -> ModelSource:
@@ -130,11 +144,13 @@ def _open_gguf(path: Path) -> ModelSource:
     def arch_field(key: str, default=None):  # "llama.block_count", "qwen3.block_count", ...
         return field(f"{name}.{key}", default)
 
-    tensor_names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     n_heads = int(arch_field("attention.head_count"))
     hidden = int(arch_field("embedding_length"))
+    head_dim = int(arch_field("attention.key_length", hidden // n_heads))
+    rotary = arch_field("rope.dimension_count")
     tokenizer = Tokenizer.from_gguf(reader)
-    arch = ModelArch(
+    fields = dict(
         family=family,
         vocab_size=int(arch_field("vocab_size", tokenizer.vocab_size)),
         hidden_size=hidden,
@@ -142,19 +158,90 @@ def _open_gguf(path: Path) -> ModelSource:
         num_layers=int(arch_field("block_count")),
         num_heads=n_heads,
         num_kv_heads=int(arch_field("attention.head_count_kv", n_heads)),
-        head_dim=int(arch_field("attention.key_length", hidden // n_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(arch_field("rope.freq_base", 10000.0)),
         max_position_embeddings=int(arch_field("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=family in QK_NORM_FAMILIES,
+        # Partial rotary (Phi-4-mini): rope turns the first rope.dimension_count numbers of a head.
+        rotary_dim=int(rotary) if rotary is not None and int(rotary) != head_dim else None,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
     )
+    if family == "phi3":
+        fields |= _gguf_phi3(arch_field, tensors)
+    elif family == "gemma3":
+        fields |= _gguf_gemma3(arch_field, fields)
+    arch = ModelArch(**fields)
     all_f32 = all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors)
     dtype = "float32" if all_f32 else None
     return ModelSource(str(path), arch, tokenizer, lambda: _iter_gguf(reader, arch), dtype)
+
+
+def _gguf_phi3(arch_field, tensors) -> dict:
+    """Phi-3's LongRoPE, as llama.cpp's converter writes it: the long and short factors as the
+    tensors rope_factors_long / rope_factors_short (one per rotary pair), the pretraining length
+    as rope.scaling.original_context_length and the attention factor as rope.scaling.attn_factor
+    (files without factors turn plainly). The sliding window (0: none) is kept as the HF config's
+    is (llama.cpp ignores Phi-3's window; transformers applies it)."""
+    window = int(arch_field("attention.sliding_window", 0)) or None
+    if "rope_factors_long.weight" not in tensors:
+        return {"sliding_window": window}
+
+    def factors(name: str) -> list[float]:
+        return [float(x) for x in np.asarray(tensors[name].data, dtype=np.float32).reshape(-1)]
+
+    scaling = {
+        "rope_type": "longrope",
+        "long_factor": factors("rope_factors_long.weight"),
+        "short_factor": factors("rope_factors_short.weight"),
+        # llama.cpp's default: the context length (no extension)
+        "original_max_position_embeddings": int(arch_field("rope.scaling.original_context_length",
+                                                           arch_field("context_length"))),
+        "max_position_embeddings": int(arch_field("context_length")),
+    }
+    attn_factor = arch_field("rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    return {"rope_scaling": scaling, "sliding_window": window}
+
+
+def _gguf_gemma3(arch_field, fields: dict) -> dict:
+    """Gemma 3 as llama.cpp reads it. A window (attention.sliding_window > 0) makes every layer
+    slide but every sixth, or those attention.sliding_window_pattern names (a period, or a flag
+    per layer); sliding layers turn by rope.freq_base_swa (10000 without it), unscaled, the global
+    ones by rope.freq_base with rope.scaling (linear). The file carries no query_pre_attn_scalar:
+    llama.cpp scales scores by head_dim ** -0.5, and by (hidden / heads) ** -0.5 for the 62 layers
+    of the 27B (whose query_pre_attn_scalar is that), and so does this."""
+    layers, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
+    window = int(arch_field("attention.sliding_window", 0)) or None
+    pattern = arch_field("attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD)
+    if isinstance(pattern, list):
+        slides = [bool(x) for x in pattern]
+        if len(slides) != layers:
+            raise ValueError(f"gemma3: sliding_window_pattern has {len(slides)} flags for {layers} layers")
+    else:  # a period: every period-th layer is global (0: none is)
+        period = int(pattern)
+        slides = [period == 0 or i % period < period - 1 for i in range(layers)]
+    kind = arch_field("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ValueError(f"gemma3: rope scaling {kind!r} is not supported (supported: linear)")
+    factor = float(arch_field("rope.scaling.factor", 1.0))
+    cap = arch_field("final_logit_softcapping")
+    scalar = hidden // heads if layers == 62 else fields["head_dim"]
+    return dict(
+        rope_scaling={"rope_type": "linear", "factor": factor} if kind == "linear" and factor != 1.0 else None,
+        sliding_window=window,
+        layer_types=tuple("sliding_attention" if s else "full_attention" for s in slides),
+        local_rope_theta=float(arch_field("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+        hidden_act="gelu_tanh",
+        norm_unit_offset=True,
+        embed_scale=True,
+        attention_scale=scalar ** -0.5,
+        final_logit_softcapping=float(cap) if cap else None,
+    )
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -172,17 +259,23 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
     import gguf
 
     permuted = arch.family == "llama"  # see _unpermute_rope
+    names = _GGUF_NAMES | _GGUF_FAMILY_NAMES.get(arch.family, {})
+    # llama.cpp's converter writes Gemma's norm weights w as 1 + w (llama.cpp scales by the weight
+    # as it is); travelator's Gemma norms scale by 1 + w, as the HF checkpoint's: take the 1 back.
+    norm_offset = 1.0 if arch.norm_unit_offset else 0.0
 
     kinds = gguf.GGMLQuantizationType
     kept = {kinds.Q8_0: "q8_0", kinds.Q6_K: "q6_k", kinds.Q4_0: "q4_0", kinds.Q4_1: "q4_1", kinds.Q4_K: "q4_k"}
     warned: set[str] = set()
     for t in reader.tensors:
+        if t.name in _GGUF_ROPE_FACTORS:
+            continue  # in arch.rope_scaling already
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne order is reversed
         parts = t.name.split(".")
         linear = parts[0] == "blk" and len(parts) > 3 and parts[2] in _GGUF_LINEAR and parts[3] == "weight"
         if linear and t.tensor_type in kept:
             blocks = parse_gguf_blocks(t.data, kept[t.tensor_type], *shape)
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}.weight"
             if permuted and parts[2] in ("attn_q", "attn_k"):
                 heads = arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads
                 order = _unpermute_rope(np.arange(shape[0])[:, None], heads)[:, 0]
@@ -203,8 +296,8 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
             name = "model.norm.weight"
         elif t.name == "output.weight":
             name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+        elif parts[0] == "blk" and parts[2] in names:
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
             if permuted and parts[2] == "attn_q":
                 arr = _unpermute_rope(arr, arch.num_heads)
             elif permuted and parts[2] == "attn_k":
@@ -213,4 +306,6 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
             raise ValueError("GGUF files with rope_freqs tensors are not supported")
         else:
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+        if norm_offset and t.name.endswith("norm.weight"):
+            arr = arr - norm_offset
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # copy out of the mmap
