@@ -99,9 +99,9 @@ def test_transformers_applies_mistrals_window(tmp_path):
     assert (windowed[7:] - full[7:]).abs().amax(-1).min() > 1e-3
 
 
-def check_against_reference(ref, llm: LLM, n: int, seed: int) -> LLM:
+def check_against_reference(ref, llm: LLM, n: int, seed: int, lo: int = 3, hi: int = 60) -> LLM:
     rng = random.Random(seed)
-    reqs = [(rng.randint(0, 12), p, rng.randint(1, 24)) for p in prompts(n, seed)]
+    reqs = [(rng.randint(0, 12), p, rng.randint(1, 24)) for p in prompts(n, seed, lo, hi)]
     got = run_staggered(llm, reqs)
     for i, (_, prompt, m) in enumerate(reqs):
         assert got[i] == reference_greedy(ref, prompt, m), f"request {i} differs"
@@ -126,7 +126,14 @@ def test_preemption_matches(checkpoint):
     # 12 blocks of 8 tokens: the longest request (61 + 24 tokens) fits alone, the
     # batch does not, so requests are preempted and recomputed.
     llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=12)
-    check_against_reference(ref, llm, n=10, seed=4)
+    if llm.engine.kv.sliding_window is not None:
+        # Every layer slides (mistral_w7): a request holds only the blocks of its window, and
+        # these requests never fill that pool. Many short ones (up to 11 + 24 tokens) fill 5
+        # blocks as they grow, and are preempted and recomputed with blocks given back.
+        llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=5)
+        check_against_reference(ref, llm, n=16, seed=4, hi=10)
+    else:
+        check_against_reference(ref, llm, n=10, seed=4)
     assert llm.engine.counters.preemptions > 0
 
 
@@ -161,6 +168,10 @@ def test_prompt_logprobs_match(checkpoint, kernels):
     path, ref = checkpoint
     llm = LLM(str(path), dtype="float32", kernels=kernels, max_num_batched_tokens=7, block_size=8,
               num_kv_blocks=10)
+    # A model whose every layer slides (mistral_w7) holds only its windows' blocks, and these
+    # prompts, prefilled one at a time, never fill that pool: here it holds every block, as a
+    # model with full layers does, so that the pool preempts.
+    llm.engine.kv.sliding_window = None
     ps = prompts(4, seed=9, lo=20, hi=40)
     ps.append(ps[0] + [5, 6, 7])  # shares its prefix with the first prompt
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, prompt_logprobs=3)
@@ -180,3 +191,43 @@ def test_prompt_logprobs_match(checkpoint, kernels):
             assert list(entry.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=5e-4)
     assert llm.engine.counters.preemptions > 0
     assert llm.engine.kv.stats.hit_tokens == 0
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_mistral_window_gives_back_blocks(tmp_path, kernels):
+    """Window 16 in blocks of 16: a 300-token request holds at most window / block_size + 1
+    blocks once its prompt is in (those behind its window go back to the pool), and its greedy
+    tokens are transformers'. Without prefix caching a released block is handed out again at
+    once, here to the request itself, whose table still names it at its old positions (which
+    no kernel reads); with it, the same prompt again takes the released, still cached prompt
+    blocks as hits, and gets the same tokens."""
+    path = build_checkpoint(tmp_path, "mistral", sliding_window=16)
+    ref = load_reference(path)
+    prompt = prompts(1, seed=7, lo=40, hi=40)[0]  # 41 tokens, then 259 more
+    want = reference_greedy(ref, prompt, 259)
+    for caching in (False, True):
+        llm = LLM(str(path), dtype="float32", kernels=kernels, block_size=16, num_kv_blocks=19,
+                  enable_prefix_caching=caching)
+        kv = llm.engine.kv
+        assert kv.sliding_window == 16
+        held, used, allocate = {}, set(), kv.allocate_slots
+
+        def tracked(req, *args):  # blocks held once a step's blocks are allocated
+            got = allocate(req, *args)
+            held[req.num_computed_tokens] = (len(kv.held_block_ids(req.request_id)), len(kv.block_ids(req.request_id)))
+            used.update(kv.held_block_ids(req.request_id))
+            return got
+
+        kv.allocate_slots = tracked
+        assert llm.generate([prompt], greedy(259), use_tqdm=False)[0].outputs[0].token_ids == want
+        decodes = [n for computed, (n, _) in held.items() if computed >= len(prompt)]
+        assert len(decodes) == 258 and max(decodes) == 16 // 16 + 1  # the prompt's step sampled the first
+        assert held[max(held)][1] == 19  # the table still spans positions 0 .. 298
+        assert kv.num_used_blocks == 0 and kv.stats.hit_tokens == 0
+        kv.check_consistency()
+        if not caching:
+            assert len(used) <= 4  # the prompt's 3 blocks and one more, over and over
+            continue
+        assert len(used) == 19  # keyed blocks wait at the back of the free list
+        assert llm.generate([prompt], greedy(259), use_tqdm=False)[0].outputs[0].token_ids == want
+        assert kv.stats.hit_tokens == 32

@@ -96,6 +96,7 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            sliding_window=self._releasable_window(),
             # Keys change with anything that changes the KV: model, weights, dtypes.
             namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}|{mc.quantization}"
                       f"|{mc.quantization_group_size}|{mc.lm_head_quantization}",
@@ -140,6 +141,16 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {requested} exceeds the model's context {limit}")
             limit = requested
         return limit
+
+    def _releasable_window(self) -> int | None:
+        """The window behind which a request's KV blocks go back to the pool: where every layer
+        slides by the same window (Mistral) and no draft model reads the same block tables with
+        layers of its own. A model with full layers too (Gemma 3) shares one block table between
+        both kinds, so it holds every block (docs/design.md, "Sliding windows and the block pool")."""
+        windows = {self.arch.window_of(layer) for layer in range(self.arch.num_layers)}
+        if len(windows) != 1 or None in windows or self.config.scheduler.speculative_method == "draft":
+            return None
+        return windows.pop()
 
     def _size_kv_pool(self, block_size: int) -> int:
         cache = self.config.cache

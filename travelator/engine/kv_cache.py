@@ -10,6 +10,12 @@ change the KV too). A new request reuses each leading full block whose key is st
 in memory. Freed blocks keep their key and stay reusable until they are needed for
 new data; they are evicted least-recently-freed first, the tail of a sequence
 before its head. A reused block loses its old key (docs/design.md invariant 7).
+
+Sliding windows: when every layer of the model attends to at most ``sliding_window`` keys
+(Mistral), a request's blocks that fall wholly before the window of its next token are
+never read again; ``release_out_of_window`` returns them to the pool as the request
+advances, leaving ``RELEASED`` in its block table, which stays indexed by position
+(docs/design.md, "Sliding windows and the block pool").
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# A block-table entry whose block went back to the pool: it lay wholly before the sliding
+# window of every query the request has left to compute.
+RELEASED = -1
+
+
 class BlockAccountingError(RuntimeError):
     """The pool's bookkeeping is broken: a block is lost, in two places, or miscounted."""
 
@@ -38,12 +49,17 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 namespace: str = "") -> None:
+                 namespace: str = "", sliding_window: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError("sliding_window must be positive (None: some layer sees the whole context)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # The window of every layer, where the model's every layer slides and nothing else
+        # reads the blocks (None: blocks are held until the request ends).
+        self.sliding_window = sliding_window
         self._root = hashlib.sha256(namespace.encode()).digest()
         self._ref_cnt = [0] * num_blocks
         self._block_key: list[bytes | None] = [None] * num_blocks
@@ -55,6 +71,7 @@ class KVCacheManager:
         # free list), so that "free + used = total" is a check that can fail.
         self._num_used = 0
         self._num_keyed: dict[str, int] = {}  # leading blocks of a request already keyed
+        self._num_released: dict[str, int] = {}  # leading blocks of a request back in the pool
         self.stats = PrefixCacheStats()
 
     # ---- state ---------------------------------------------------------------------
@@ -80,11 +97,18 @@ class KVCacheManager:
         return self.num_used_blocks / self.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table, indexed by position // block_size (RELEASED entries
+        lead it where a sliding window left blocks behind)."""
         return self._tables.get(request_id, [])
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request holds: its table without the RELEASED entries."""
+        table = self._tables.get(request_id, [])
+        return table[self._num_released.get(request_id, 0):]
 
     def owners(self) -> dict[str, int]:
         """Blocks held per request, for leak reports."""
-        return {rid: len(t) for rid, t in self._tables.items() if t}
+        return {rid: n for rid in self._tables if (n := len(self.held_block_ids(rid)))}
 
     # ---- prefix cache --------------------------------------------------------------
     def block_keys(self, req: Request) -> list[bytes]:
@@ -129,7 +153,8 @@ class KVCacheManager:
         rid = req.request_id
         table = self._tables.get(rid, [])
         full = min(req.num_computed_tokens // self.block_size, len(table))
-        start = self._num_keyed.get(rid, 0)
+        # Released blocks were keyed before their release (or never will be).
+        start = max(self._num_keyed.get(rid, 0), self._num_released.get(rid, 0))
         if full <= start:
             return
         keys = self.block_keys(req)
@@ -183,17 +208,47 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         self._num_keyed.pop(request_id, None)
+        released = self._num_released.pop(request_id, 0)
         if not table:
             return
         # The tail goes in first, so it is evicted before the (more shareable) head.
-        for block in reversed(table):
-            self._ref_cnt[block] -= 1
-            if self._ref_cnt[block] == 0:
-                self._num_used -= 1
-                self._free[block] = None
-                if self._block_key[block] is None:
-                    # Nothing reusable in it: hand it out before any cached block.
-                    self._free.move_to_end(block, last=False)
+        for block in reversed(table[released:]):
+            self._unref(block)
+
+    def release_out_of_window(self, req: Request) -> None:
+        """Return the request's blocks that none of its queries reads again (a model whose
+        every layer slides: ``sliding_window``). Its next token, at position
+        num_computed_tokens = c, and every later one see keys from c - window + 1 on, so the
+        blocks wholly before that key's block go back to the pool; their table entries become
+        RELEASED. Call it once the step's tokens are counted in c (and keyed for the prefix
+        cache: a keyed block keeps its key while free, as any freed block, and stays a
+        possible hit, its contents being final). Not for a request whose KV is to be handed
+        off: the hand-off reads every block."""
+        if self.sliding_window is None or req.hand_off:
+            return
+        rid = req.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return
+        first_seen = max(0, req.num_computed_tokens - self.sliding_window + 1)
+        end = min(first_seen // self.block_size, len(table))
+        start = self._num_released.get(rid, 0)
+        if end <= start:
+            return
+        for i in range(start, end):
+            self._unref(table[i])
+            table[i] = RELEASED
+        self._num_released[rid] = end
+
+    def _unref(self, block: int) -> None:
+        """Drop one reference; a block nobody holds goes to the free list."""
+        self._ref_cnt[block] -= 1
+        if self._ref_cnt[block] == 0:
+            self._num_used -= 1
+            self._free[block] = None
+            if self._block_key[block] is None:
+                # Nothing reusable in it: hand it out before any cached block.
+                self._free.move_to_end(block, last=False)
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_prompt_tokens
@@ -207,9 +262,14 @@ class KVCacheManager:
         """
         counts = [0] * self.num_blocks
         for rid, table in self._tables.items():
-            if len(set(table)) != len(table):
+            released = self._num_released.get(rid, 0)
+            held = table[released:]
+            if any(b != RELEASED for b in table[:released]) or RELEASED in held:
+                raise BlockAccountingError(f"request {rid!r}'s released entries are not the first "
+                                           f"{released} of its table: {table}")
+            if len(set(held)) != len(held):
                 raise BlockAccountingError(f"request {rid!r} holds a block twice: {table}")
-            for b in table:
+            for b in held:
                 counts[b] += 1
         if counts != self._ref_cnt:
             wrong = [b for b in range(self.num_blocks) if counts[b] != self._ref_cnt[b]]

@@ -291,6 +291,13 @@ class SchedulerBase:
             req.times.first_scheduled = time.monotonic()
             self.num_admitted += 1
 
+    def _computed(self, req: Request) -> None:
+        """The request's num_computed_tokens has advanced: key its newly full blocks for the
+        prefix cache, then give back those its remaining queries' windows leave behind
+        (a sliding-window model: KVCacheManager.release_out_of_window)."""
+        self.kv.cache_full_blocks(req)
+        self.kv.release_out_of_window(req)
+
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput
     ) -> list[tuple[Request, list[SampledToken]]]:
@@ -313,12 +320,12 @@ class SchedulerBase:
             if (plp := result.prompt_logprobs.get(rid)) is not None:
                 req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs, plp.ranks)
             if not toks:
-                self.kv.cache_full_blocks(req)
+                self._computed(req)
                 continue  # a prompt chunk that does not reach the end of the prompt
             req.resumed_without_progress = False
             if req.max_tokens == 0:  # the prompt was all it asked for: drop the sample
                 assert req.num_computed_tokens == req.num_tokens
-                self.kv.cache_full_blocks(req)
+                self._computed(req)
                 req.status = RequestStatus.FINISHED_LENGTH
                 if req.times.first_token is None:
                     req.times.first_token = req.times.last_token = now
@@ -336,7 +343,7 @@ class SchedulerBase:
             # Cut by a stop: its last kept token was an accepted draft, whose KV is valid.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             assert req.status.finished or req.num_computed_tokens == req.num_tokens - 1
-            self.kv.cache_full_blocks(req)
+            self._computed(req)
             if req.times.first_token is None:
                 req.times.first_token = now
             req.times.last_token = now

@@ -37,7 +37,7 @@ def engine_self_check(engine: LLMEngine) -> dict:
     free, used, total = kv.num_free_blocks, kv.num_used_blocks, kv.num_blocks
     if free + used != total:
         problems.append(f"free {free} + used {used} != total {total} blocks")
-    held = {b for rid in owners if rid in live for b in kv.block_ids(rid)}
+    held = {b for rid in owners if rid in live for b in kv.held_block_ids(rid)}
     unknown = {rid: n for rid, n in owners.items() if rid not in live}
     if unknown:
         problems.append(f"blocks held by requests the scheduler does not know: {unknown}")

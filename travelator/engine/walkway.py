@@ -80,7 +80,7 @@ class WalkwayRecorder:
             seats.append([self.seats[rid], rid, kind, n])
             if req is not None:
                 requests[rid] = [req.num_prompt_tokens, len(req.output_token_ids), req.status.value,
-                                 req.priority, len(e.kv.block_ids(rid))]
+                                 req.priority, len(e.kv.held_block_ids(rid))]
             elif (o := finished.get(rid)) is not None:
                 requests[rid] = [len(o.prompt_token_ids), len(o.output_token_ids), o.finish_reason, None, 0]
         left += self._release([r for r in self.seats if r not in running], finished)  # ended by this step
