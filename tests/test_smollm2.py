@@ -91,6 +91,20 @@ def test_chat_renders_with_the_template_and_answers(llm):
     assert "Paris" in cont.text
 
 
+def test_chat_takes_another_template_tools_and_variables(llm):
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ greeting }} "
+                "{{ messages[0].content }}{{ eos_token }}")
+    r = llm.chat(CHATS[0], greedy(1), chat_template=template, tools=TOOLS,
+                 chat_template_kwargs={"greeting": "Hello!"}, use_tqdm=False)[0]
+    assert r.prompt == f"[get_weather]Hello! {QUESTION}<|im_end|>"
+    assert r.prompt_token_ids == llm.get_tokenizer().encode(r.prompt, add_special_tokens=False)
+    assert llm.get_tokenizer().chat_template.startswith("{% for message in messages %}")  # unchanged
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(CHATS[0], continue_final_message=True, use_tqdm=False)
+    with pytest.raises(ValueError, match="may not set tools"):
+        llm.chat(CHATS[0], chat_template_kwargs={"tools": []}, use_tqdm=False)
+
+
 def test_chat_refuses_bad_messages(llm):
     for bad, words in [
         ([{"content": "hi"}], "no 'role'"),
