@@ -14,27 +14,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from hf_models import build_checkpoint, load_reference, reference_greedy, reference_logprobs
+from gguf_files import VOCAB, add_tensors, add_vocab, finish
+from hf_models import build_checkpoint, load_reference, randomize, reference_greedy, reference_logprobs
 from travelator import LLM, SamplingParams
-
-# llama.cpp's names of a layer's tensors (HF names without "model.layers.N.").
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-VOCAB = 300  # hf_models' checkpoints
-
 
 def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     """An F32 GGUF of the checkpoint, as llama.cpp's converter lays out Qwen2/Qwen3 (Q/K rows in
@@ -53,34 +36,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(VOCAB)
-    kinds = gguf.TokenType
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"\u2581t{i}" for i in range(VOCAB - len(tokens))]
-    types = [kinds.UNKNOWN, kinds.CONTROL, kinds.CONTROL] + [kinds.BYTE] * 256
-    types += [kinds.NORMAL] * (VOCAB - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * VOCAB)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    for name, tensor in load_file(hf_dir / "model.safetensors").items():
-        name = name.removeprefix("model.")
-        if name == "embed_tokens.weight":
-            gguf_name = "token_embd.weight"
-        elif name == "norm.weight":
-            gguf_name = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gguf_name = "output.weight"
-        else:
-            _, idx, rest = name.split(".", 2)
-            module, _, kind = rest.rpartition(".")
-            gguf_name = f"blk.{idx}.{LAYER_NAMES[module]}.{kind}"
-        w.add_tensor(gguf_name, tensor.float().numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_vocab(w)
+    model_arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    add_tensors(w, hf_dir, model_arch, cfg["num_hidden_layers"], shift_norms=False)
+    finish(w)
     return out
 
 
@@ -96,23 +55,9 @@ def model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(arch)
     hf_dir = build_checkpoint(root / "hf", arch, **CASES[arch])
     if arch == "qwen2":  # transformers initialises biases to zero: make them count
-        from safetensors.torch import save_file
-
-        weights = load_file(hf_dir / "model.safetensors")
-        g = torch.Generator().manual_seed(1)
-        for name, t in weights.items():
-            if name.endswith(".bias"):
-                weights[name] = torch.randn(t.shape, generator=g) * 0.5
-        save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+        randomize(hf_dir, (".bias",), 0.5)
     if arch == "qwen3":  # and the head norms to ones
-        from safetensors.torch import save_file
-
-        weights = load_file(hf_dir / "model.safetensors")
-        g = torch.Generator().manual_seed(2)
-        for name, t in weights.items():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                weights[name] = torch.rand(t.shape, generator=g) + 0.5
-        save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+        randomize(hf_dir, ("q_norm.weight", "k_norm.weight"), 0.5, offset=1.0)
     path = write_gguf(hf_dir, root / f"{arch}.gguf", arch)
     return arch, hf_dir, path, load_reference(hf_dir)
 
@@ -148,9 +93,6 @@ def test_travelator_on_the_gguf_matches_transformers(model, kernels):
 def test_an_unknown_gguf_architecture_is_named(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(ValueError, match=r"unsupported architecture 'mamba'.*qwen3"):
         LLM(str(tmp_path / "x.gguf"))
