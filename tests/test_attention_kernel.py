@@ -189,9 +189,11 @@ def test_a_lone_request_split_over_kv_heads_matches_itself_in_a_batch(dtype, til
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 20])  # 20: the portable path on every CPU
-def test_rows_do_not_depend_on_the_block_size(dtype, d):
+@pytest.mark.parametrize("window", [None, 11])
+def test_rows_do_not_depend_on_the_block_size(dtype, d, window):
     """The same keys at the same positions, stored in blocks of 4, 8 or 16 (at scattered
-    places): the same rows, bit for bit. Engines with different block sizes must agree."""
+    places): the same rows, bit for bit, with a sliding window too. Engines with different
+    block sizes must agree."""
     heads, kvh, n_keys = 4, 2, 75
     g = torch.Generator().manual_seed(4)
     keys = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
@@ -207,11 +209,11 @@ def test_rows_do_not_depend_on_the_block_size(dtype, d):
             k_cache[table[p // bs], :, p % bs] = keys[p]
             v_cache[table[p // bs], :, p % bs] = vals[p]
         # A prompt of 70 queries at context 0 and a decode at 74 keys: every chunk boundary.
-        prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d)
-        decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d)
+        prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d, window=window)
+        decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d, window=window)
         outs.append(torch.cat([prompt, decode]))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    ref = reference(q[:70], k_cache, v_cache, [(0, 70, table)], d**-0.5)
+    ref = reference(q[:70], k_cache, v_cache, [(0, 70, table)], d**-0.5, window)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(outs[2][:70].double(), ref, atol=tol, rtol=tol)
 
@@ -350,23 +352,3 @@ def test_windowed_rows_do_not_depend_on_the_batch_or_the_chunking(dtype, d, wind
             assert torch.equal(got, whole[start : start + n]), (chunk, start)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 20])
-def test_windowed_rows_do_not_depend_on_the_block_size(dtype, d):
-    heads, kvh, n_keys, window = 4, 2, 75, 11
-    g = torch.Generator().manual_seed(4)
-    keys = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
-    vals = torch.randn(n_keys, kvh, d, generator=g).to(dtype)
-    q = torch.randn(n_keys, heads, d, generator=g).to(dtype)
-    outs = []
-    for bs in (4, 8, 16):
-        table = random.Random(bs).sample(range(40), -(-n_keys // bs))
-        k_cache = torch.randn(40, kvh, bs, d, generator=g).to(dtype)
-        v_cache = torch.randn(40, kvh, bs, d, generator=g).to(dtype)
-        for p in range(n_keys):
-            k_cache[table[p // bs], :, p % bs] = keys[p]
-            v_cache[table[p // bs], :, p % bs] = vals[p]
-        prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d, window=window)
-        decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d, window=window)
-        outs.append(torch.cat([prompt, decode]))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
