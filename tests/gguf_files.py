@@ -12,6 +12,16 @@ from safetensors.torch import load_file
 VOCAB = 300  # hf_models' checkpoints
 
 
+def add_shape(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The sizes every architecture's file states, from a HF config."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+
+
 def add_vocab(w: gguf.GGUFWriter) -> None:
     """A byte-fallback SentencePiece vocabulary of VOCAB tokens (the prompts here are token ids)."""
     kinds = gguf.TokenType

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import VOCAB, add_tensors, add_vocab, finish
+from gguf_files import VOCAB, add_shape, add_tensors, add_vocab, finish
 from hf_models import build_checkpoint, load_reference, randomize, reference_greedy, reference_logprobs
 from travelator import LLM, SamplingParams
 
@@ -24,12 +24,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     HF's order: these architectures use NeoX rope), with a byte-fallback SentencePiece vocab."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_shape(w, cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)  # Qwen3's head_dim is its own (128 by default here, not 64 / 4)
     w.add_value_length(head_dim)

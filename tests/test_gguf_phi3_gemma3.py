@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import VOCAB, add_tensors, add_vocab, finish
+from gguf_files import VOCAB, add_shape, add_tensors, add_vocab, finish
 from hf_models import (build_checkpoint, gemma3_overrides, load_reference, phi3_overrides, randomize,
                        reference_greedy, reference_logprobs)
 from travelator import LLM, SamplingParams
@@ -47,13 +47,8 @@ def write_phi3_gguf(hf_dir: Path, out: Path) -> Path:
     n_embd, n_head = cfg["hidden_size"], cfg["num_attention_heads"]
     longest, original = cfg["max_position_embeddings"], rope["original_max_position_embeddings"]
     w = gguf.GGUFWriter(str(out), "phi3")
-    w.add_context_length(longest)
+    add_shape(w, cfg)
     w.add_rope_scaling_orig_ctx_len(original)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_head_count(n_head)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
     w.add_rope_freq_base(rope["rope_theta"])
@@ -75,12 +70,7 @@ def write_gemma3_gguf(hf_dir: Path, out: Path, pattern: bool = False) -> Path:
     rope = cfg["rope_parameters"]
     full, local = rope["full_attention"], rope["sliding_attention"]
     w = gguf.GGUFWriter(str(out), "gemma3")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    add_shape(w, cfg)
     if full.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
