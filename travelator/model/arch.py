@@ -132,6 +132,10 @@ class ModelArch:
         )
 
 
+# What every Gemma 3 is, whatever its config or file says: ModelArch fields.
+GEMMA3_FEATURES = dict(qk_norm=True, hidden_act="gelu_tanh", norm_unit_offset=True, embed_scale=True)
+
+
 def _gemma3(cls: type[ModelArch], cfg: dict[str, Any]) -> ModelArch:
     """Gemma 3's text config: interleaved sliding and full layers, each kind with its own rope
     (transformers 5 writes ``rope_parameters`` per layer type; older configs rope_theta,
@@ -174,10 +178,7 @@ def _gemma3(cls: type[ModelArch], cfg: dict[str, Any]) -> ModelArch:
         attention_bias=cfg.get("attention_bias", False),
         sliding_window=cfg.get("sliding_window", 4096),
         layer_types=tuple(types),
-        qk_norm=True,
-        hidden_act="gelu_tanh",
-        norm_unit_offset=True,
-        embed_scale=True,
+        **GEMMA3_FEATURES,
         attention_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
         local_rope_theta=local_theta,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from travelator.model.arch import GGUF_ARCHITECTURES, QK_NORM_FAMILIES, ModelArch, preset, unsupported_architecture
+from travelator.model.arch import (GEMMA3_FEATURES, GGUF_ARCHITECTURES, QK_NORM_FAMILIES, ModelArch, preset,
+                                   unsupported_architecture)
 from travelator.model.quant import BlockQuantized, parse_gguf_blocks
 from travelator.model.tokenizer import Tokenizer
 
@@ -236,9 +237,7 @@ def _gguf_gemma3(arch_field, fields: dict) -> dict:
         sliding_window=window,
         layer_types=tuple("sliding_attention" if s else "full_attention" for s in slides),
         local_rope_theta=float(arch_field("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
-        hidden_act="gelu_tanh",
-        norm_unit_offset=True,
-        embed_scale=True,
+        **GEMMA3_FEATURES,
         attention_scale=scalar ** -0.5,
         final_logit_softcapping=float(cap) if cap else None,
     )
