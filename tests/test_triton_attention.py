@@ -1,0 +1,93 @@
+"""The Triton paged attention and KV write against the float64 reference that checks the CPU
+kernel. Without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``), on the CPU."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are defined: the interpreter runs them
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from test_attention_kernel import make_cache, random_requests, reference  # noqa: E402
+
+from travelator.kernels import triton_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(q, k_cache, v_cache, reqs, scale, window=None):
+    """The kernel over ``reqs`` ((context, query_len, block table) in batch order)."""
+    width = max(len(t) for _, _, t in reqs)
+    starts = [0]
+    for _, n, _ in reqs:
+        starts.append(starts[-1] + n)
+    as_long = dict(dtype=torch.long, device=DEVICE)
+    out = triton_attention.paged_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), torch.tensor(starts, **as_long),
+        torch.tensor([c + n for c, n, _ in reqs], **as_long),
+        torch.tensor([t + [0] * (width - len(t)) for _, _, t in reqs], **as_long),
+        scale, window or 0, max(n for _, n, _ in reqs), max(c + n for c, n, _ in reqs))
+    return out.cpu()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kvh,d,block_size", [
+    (4, 4, 64, 16),  # multi-head
+    (8, 2, 80, 16),  # GQA of 4, a head size padded to 128 lanes
+    (6, 2, 32, 8),  # a group of 3, blocks smaller than a key tile
+])
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_batches_match_the_float64_reference(dtype, tol, heads, kvh, d, block_size, window):
+    rng = random.Random(heads * 100 + d + (window or 0))
+    for trial in range(2):
+        k_cache, v_cache = make_cache(64, block_size, kvh, d, dtype, seed=trial)
+        reqs = random_requests(rng, 64, block_size, n_decodes=3, n_prefills=3)
+        q = torch.randn(sum(n for _, n, _ in reqs), heads, d).to(dtype)
+        got = run(q, k_cache, v_cache, reqs, d**-0.5, window)
+        want = reference(q, k_cache, v_cache, reqs, d**-0.5, window)
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_decodes_split_over_keys_match_the_reference(window):
+    """Decode-only steps past KEYS_PER_SPLIT keys take the split kernel and its merge."""
+    block_size, kvh, heads, d = 16, 2, 4, 32
+    k_cache, v_cache = make_cache(200, block_size, kvh, d, torch.float32, seed=3)
+    blocks = list(range(200))
+    random.Random(7).shuffle(blocks)
+    reqs = []
+    for context in (1300, 40, 700):  # three, two (after padding to four) and one split
+        need = -(-(context + 1) // block_size)
+        reqs.append((context, 1, blocks[:need]))
+        blocks = blocks[need:]
+    assert max(c for c, _, _ in reqs) + 1 > 2 * triton_attention.KEYS_PER_SPLIT
+    q = torch.randn(3, heads, d)
+    got = run(q, k_cache, v_cache, reqs, d**-0.5, window)
+    torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, reqs, d**-0.5, window),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_kv_write_puts_each_row_at_its_slot_and_skips_padding():
+    blocks, kvh, block_size, d = 6, 2, 4, 24
+    k_cache = torch.zeros(blocks, kvh, block_size, d, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(5, kvh, d, device=DEVICE), torch.randn(5, kvh, d, device=DEVICE)
+    slots = torch.tensor([9, 0, -1, 23, 14], device=DEVICE)
+    triton_attention.write_kv(k_cache, v_cache, slots, k, v)
+    for cache, rows in ((k_cache, k), (v_cache, v)):
+        want = torch.zeros_like(cache)
+        for t, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                want[slot // block_size, :, slot % block_size] = rows[t]
+        assert torch.equal(cache, want)
+
+
+def test_an_int8_cache_is_refused_with_the_reason():
+    cache = torch.zeros(2, 1, 4, 36, dtype=torch.int8)
+    with pytest.raises(ValueError, match="float KV caches"):
+        triton_attention.paged_attention(torch.zeros(1, 1, 32), cache, cache, torch.tensor([0, 1]),
+                                         torch.tensor([1]), torch.tensor([[0]]), 1.0, 0, 1, 1)
