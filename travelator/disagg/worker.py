@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from travelator.config import EngineConfig
 from travelator.disagg import messages as m
-from travelator.distributed.kv_transport import KVChannel
-from travelator.distributed.worker import watch_parent
+from travelator.disagg.kv_transport import KVChannel
 from travelator.engine.engine import LLMEngine
 from travelator.engine.kv_handoff import KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.self_check import engine_self_check
+from travelator.engine.tp_worker import watch_parent
 
 logger = logging.getLogger(__name__)
 

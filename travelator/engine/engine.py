@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from travelator.config import EngineConfig
-from travelator.distributed.executor import TensorParallelError, make_executor
 from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
@@ -24,6 +23,7 @@ from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
+from travelator.engine.tp_executor import TensorParallelError, make_executor
 from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from travelator.distributed.comm import TPGroup
 from travelator.engine.draft_model import DraftJob, DraftModel
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
@@ -33,6 +32,7 @@ from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.ops import make_ops
 from travelator.model.sampler import SamplingBatch, sample
+from travelator.model.tp_group import TPGroup
 from travelator.sampling_params import SamplingParams
 
 

@@ -31,7 +31,14 @@ import torch
 import torch.distributed as dist
 
 from travelator.config import ModelConfig, ParallelConfig
-from travelator.distributed.comm import (
+from travelator.engine.executor import Executor
+from travelator.engine.grammar_compiler import GrammarCompiler
+from travelator.engine.model_runner import ModelRunner
+from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from travelator.engine.tp_worker import STOP, Worker, WorkerSpec, check_gpu_for_rank, rank_device, run_worker
+from travelator.model.arch import ModelArch
+from travelator.model.loader import ModelSource, WeightIterator
+from travelator.model.tp_group import (
     DATA_TIMEOUT_S,
     LaunchEnv,
     TPGroup,
@@ -39,13 +46,6 @@ from travelator.distributed.comm import (
     connect_store,
     launch_env,
 )
-from travelator.distributed.worker import STOP, Worker, WorkerSpec, check_gpu_for_rank, rank_device, run_worker
-from travelator.engine.executor import Executor
-from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.model_runner import ModelRunner
-from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from travelator.model.arch import ModelArch
-from travelator.model.loader import ModelSource, WeightIterator
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class TPExecutor:
         )
         if device_type == "cpu" and "TRAVELATOR_TP_THREADS" not in env:
             env["TRAVELATOR_TP_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
-        return subprocess.Popen([sys.executable, "-m", "travelator.distributed"], env=env)
+        return subprocess.Popen([sys.executable, "-m", "travelator.engine.tp_worker"], env=env)
 
     def _watched(self, fn: Callable[[], Any]) -> Any:
         """Run a blocking rendezvous step, failing at once if a local worker dies meanwhile."""
