@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from travelator.config import EngineConfig
+from travelator.engine.block_manager import KVCacheManager, blocks_for
 from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.kv_cache import KVCacheManager, blocks_for
 from travelator.engine.kv_handoff import KV_LAYOUT, KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
