@@ -34,7 +34,7 @@ from travelator.config import REQUEST_LEVEL_BATCHING, EngineConfig
 from travelator.disagg import messages as m
 from travelator.disagg.placement import Placement
 from travelator.disagg.router import Router
-from travelator.disagg.worker import WorkerSpec, run_worker
+from travelator.disagg.worker import DisaggWorkerSpec, run_worker
 from travelator.engine.async_engine import EngineDeadError, call_listeners, read_stream
 from travelator.engine.engine import EngineCounters, StepStats
 from travelator.engine.grammar_compiler import GrammarCompiler
@@ -185,8 +185,8 @@ class DisaggregatedEngine:
         threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.workers))
         self.processes: dict[m.WorkerId, multiprocessing.Process] = {}
         for w in self.workers:
-            spec = WorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill, disagg.num_decode,
-                              threads, os.getpid(), disagg.start_timeout_s)
+            spec = DisaggWorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill,
+                                    disagg.num_decode, threads, os.getpid(), disagg.start_timeout_s)
             events, worker_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=run_worker, args=(spec, self._commands[w], worker_end),
                                name=f"travelator-{w.role}-{w.index}", daemon=True)

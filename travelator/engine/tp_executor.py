@@ -35,7 +35,7 @@ from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from travelator.engine.tp_worker import STOP, Worker, WorkerSpec, check_gpu_for_rank, rank_device, run_worker
+from travelator.engine.tp_worker import STOP, TPWorkerSpec, Worker, check_gpu_for_rank, rank_device, run_worker
 from travelator.model.arch import ModelArch
 from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.tp_group import (
@@ -82,9 +82,9 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     if env is not None and env.rank != 0:
         run_worker(env)
         raise SystemExit(0)
-    spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
-                      max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant,
-                      model.quantization, model.quantization_group_size, model.lm_head_quantization)
+    spec = TPWorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
+                        max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant,
+                        model.quantization, model.quantization_group_size, model.lm_head_quantization)
     return TPExecutor(spec, arch, weights, size, env, grammars)
 
 
@@ -130,7 +130,7 @@ def _close(g: _Group) -> None:
 class TPExecutor:
     """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
-    def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
+    def __init__(self, spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                  size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None) -> None:
         self._grammars = grammars  # the driver's runner masks constrained rows with it
         self.size = size
@@ -148,7 +148,7 @@ class TPExecutor:
                 raise TensorParallelError(self._death_message(dead) + " while starting") from exc
             raise
 
-    def _start(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
+    def _start(self, spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                env: LaunchEnv | None) -> None:
         t0 = time.perf_counter()
         if env is None:  # launch the workers on this machine

@@ -32,7 +32,7 @@ STOP = "stop"  # the method name of the last message
 
 
 @dataclass(slots=True)
-class WorkerSpec:
+class TPWorkerSpec:
     """What a worker needs to build its shard; sent by the driver once, after rendezvous."""
 
     model: str
@@ -141,7 +141,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
         torch.set_num_threads(int(threads))
 
     group = TPGroup(connect_store(env), env.rank, env.world_size)
-    spec: WorkerSpec = group.broadcast_object()
+    spec: TPWorkerSpec = group.broadcast_object()
     device = rank_device(spec.device_type, env.local_rank)
     group.connect_data(device)
 
