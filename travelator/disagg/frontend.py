@@ -103,11 +103,12 @@ class FrontEngine:
         self.max_model_len = max_model_len
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
-        self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, max_model_len, eos, self.grammars)
+        self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, max_model_len, eos,
+                                              self.grammars)
         self._workers = workers
 
     def make_request(self, prompt, params=None, request_id=None, priority=0, cache_salt=None) -> Request:
-        return self.requests.make_request(prompt, params, request_id, priority, cache_salt)
+        return self.request_factory.make_request(prompt, params, request_id, priority, cache_salt)
 
     @property
     def num_running(self) -> int:

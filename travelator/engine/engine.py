@@ -102,8 +102,8 @@ class LLMEngine:
                       f"|{mc.quantization_group_size}|{mc.lm_head_quantization}",
         )
         self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
-        self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                       self.eos_token_ids, self.grammars)
+        self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                               self.eos_token_ids, self.grammars)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
@@ -179,7 +179,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def make_request_id(self) -> str:
-        return self.requests.make_request_id()
+        return self.request_factory.make_request_id()
 
     def make_request(
         self,
@@ -190,7 +190,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenise (``RequestFactory.make_request``); changes no engine state."""
-        return self.requests.make_request(prompt, params, request_id, priority, cache_salt)
+        return self.request_factory.make_request(prompt, params, request_id, priority, cache_salt)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by make_request (on the thread that steps the engine)."""
