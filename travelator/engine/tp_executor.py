@@ -322,5 +322,4 @@ class TPExecutor:
             if self._error is None:
                 self._error = "the tensor-parallel engine has been shut down"
         self._finalizer()
-        if hasattr(self, "runner"):  # not when the group failed to start
-            self.runner.shutdown()
+        self.runner.shutdown()  # a group that failed to start raised from __init__: it has one
