@@ -35,17 +35,11 @@ from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
 from travelator.engine.tp_worker import STOP, TPWorkerSpec, Worker, check_gpu_for_rank, rank_device, run_worker
 from travelator.model.arch import ModelArch
 from travelator.model.loader import ModelSource, WeightIterator
-from travelator.model.tp_group import (
-    DATA_TIMEOUT_S,
-    LaunchEnv,
-    TPGroup,
-    check_divisible,
-    connect_store,
-    launch_env,
-)
+from travelator.model.tp_group import DATA_TIMEOUT_S, TPGroup, check_divisible
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch
 
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import SchedulerOutput
-from travelator.model.tp_group import LaunchEnv, TPGroup, connect_store, launch_env
+from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
+from travelator.model.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
