@@ -18,7 +18,7 @@ import torch
 from bench_timing import median_seconds
 
 from travelator import kernels
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 
 REQUESTS, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 64, 256, 8, 4, 64, 16, 8
 
@@ -32,7 +32,7 @@ def main() -> None:
     attention = torch.ops.travelator.paged_attention
     blocks_per_request = CONTEXT // BLOCK + 1
     num_blocks = REQUESTS * blocks_per_request
-    shape = kv_cache.cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
+    shape = kv_layout.cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
     torch.manual_seed(0)
     caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
     order = list(range(num_blocks))

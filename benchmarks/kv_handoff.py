@@ -23,7 +23,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     import torch.distributed as dist
 
     from travelator import LLM, SamplingParams
-    from travelator.distributed.kv_transport import KVChannel
+    from travelator.disagg.kv_transport import KVChannel
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                           timeout=datetime.timedelta(seconds=300))

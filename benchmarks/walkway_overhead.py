@@ -18,7 +18,7 @@ import statistics
 import time
 
 from travelator import LLM, SamplingParams
-from travelator.engine.walkway import WalkwayRecorder
+from travelator.dashboard.walkway import WalkwayRecorder
 from travelator.model.device import cpu_model_name
 
 

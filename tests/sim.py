@@ -16,7 +16,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from travelator.config import SchedulerConfig
-from travelator.engine.kv_cache import KVCacheManager
+from travelator.engine.block_manager import KVCacheManager
 from travelator.engine.request import Request
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler as make_configured_scheduler

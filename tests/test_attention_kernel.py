@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from travelator import kernels
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 from travelator.model.attention import PagedAttention, build_metadata
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels 
 def make_cache(num_blocks, block_size, kvh, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, kvh, d)
-    # As the cache lays them out (model/kv_cache.py): [blocks, kv heads, block_size, row].
+    # As the cache lays them out (model/kv_layout.py): [blocks, kv heads, block_size, row].
     return (torch.randn(shape, generator=g).to(dtype).transpose(1, 2).contiguous() for _ in range(2))
 
 
@@ -255,8 +255,8 @@ def window_caches(kv_dtype, num_blocks, block_size, kvh, d, seed):
         k, v = make_cache(num_blocks, block_size, kvh, d, kv_dtype, seed)
         return k, v, k.double(), v.double()
     g = torch.Generator().manual_seed(seed)
-    rows = [kv_cache.quantize_rows(torch.randn(num_blocks, kvh, block_size, d, generator=g)) for _ in range(2)]
-    return (*rows, *(kv_cache.dequantize_rows(r, torch.float64) for r in rows))
+    rows = [kv_layout.quantize_rows(torch.randn(num_blocks, kvh, block_size, d, generator=g)) for _ in range(2)]
+    return (*rows, *(kv_layout.dequantize_rows(r, torch.float64) for r in rows))
 
 
 def readable(reqs, stand_in):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from travelator.engine.kv_cache import RELEASED, BlockAccountingError, KVCacheManager
+from travelator.engine.block_manager import RELEASED, BlockAccountingError, KVCacheManager
 from travelator.engine.request import Request
 from travelator.sampling_params import SamplingParams
 
@@ -86,7 +86,7 @@ def test_a_wrong_reference_count_is_found():
 
 
 def test_the_check_holds_under_python_O():
-    code = ("from travelator.engine.kv_cache import KVCacheManager, BlockAccountingError\n"
+    code = ("from travelator.engine.block_manager import KVCacheManager, BlockAccountingError\n"
             "kv = KVCacheManager(4, 4)\n"
             "kv._free.popitem()\n"
             "try:\n"

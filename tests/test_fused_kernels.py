@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from travelator import kernels
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 from travelator.model.layers import RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, silu_and_mul
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
@@ -110,7 +110,7 @@ def test_rope(dtype, head_dim, rotary):
 
 def test_write_kv_puts_each_head_in_its_slot():
     """The native KV write puts token t's head h at [slot // bs, h, slot % bs] (the layout of
-    model/kv_cache.py), reading k and v as row-strided views of one fused QKV tensor (as the
+    model/kv_layout.py), reading k and v as row-strided views of one fused QKV tensor (as the
     model hands them over)."""
     g = torch.Generator().manual_seed(4)
     tokens, kvh, d, blocks, bs = 37, 4, 64, 20, 16
@@ -129,8 +129,8 @@ def test_write_kv_puts_each_head_in_its_slot():
     ops.write_kv_(k_cache, v_cache, slots, k, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     # The torch path's writer (the fallback's) puts them there too.
-    kv_cache.write_rows(torch_k, slots, k)
-    kv_cache.write_rows(torch_v, slots, v)
+    kv_layout.write_rows(torch_k, slots, k)
+    kv_layout.write_rows(torch_v, slots, v)
     assert torch.equal(torch_k, want_k) and torch.equal(torch_v, want_v)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.write_kv_(k_cache, v_cache, torch.tensor([0, blocks * bs]), k[:2], v[:2])

@@ -13,7 +13,7 @@ import pytest
 TORCH_FREE = [
     "travelator.engine.scheduler",
     "travelator.engine.static_scheduler",
-    "travelator.engine.kv_cache",
+    "travelator.engine.block_manager",
     "travelator.engine.scheduler_factory",
     "travelator.engine_args",
 ]

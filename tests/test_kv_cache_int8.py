@@ -13,20 +13,20 @@ from test_attention_kernel import attend, random_requests, reference
 from test_quantization import compare, sequence_logprobs
 
 from travelator import LLM, SamplingParams, kernels
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
 
 
 def test_rows_store_codes_and_their_scale():
     x = torch.tensor([[[0.5, -1.27, 0.0, 0.01]], [[0.0, 0.0, 0.0, 0.0]], [[1.0, float("nan"), 2.0, 3.0]]])
-    rows = kv_cache.quantize_rows(x)
-    assert rows.dtype == torch.int8 and rows.shape == (3, 1, 4 + kv_cache.INT8_SCALE_BYTES)
+    rows = kv_layout.quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (3, 1, 4 + kv_layout.INT8_SCALE_BYTES)
     # max |x| = 1.27 -> scale 0.01: codes are x / 0.01, rounded.
     assert rows[0, 0, :4].tolist() == [50, -127, 0, 1]
     assert rows[0, 0, 4:].contiguous().view(torch.float32).item() == pytest.approx(0.01)
     assert rows[1, 0, :4].tolist() == [0, 0, 0, 0]  # an all-zero row: scale 0, no division by it
-    back = kv_cache.dequantize_rows(rows, torch.float32)
+    back = kv_layout.dequantize_rows(rows, torch.float32)
     torch.testing.assert_close(back[0], x[0], atol=0.005, rtol=0)  # half a step at most
     assert torch.equal(back[1], x[1])
     assert back[2].isnan().all()  # a NaN poisons its own row only, never reads back as a number
@@ -34,8 +34,8 @@ def test_rows_store_codes_and_their_scale():
 
 
 def test_pool_holds_more_tokens_in_the_same_bytes():
-    assert kv_cache.bytes_per_token(8, 4, 64, torch.bfloat16) == 2 * 8 * 4 * 64 * 2
-    assert kv_cache.bytes_per_token(8, 4, 64, torch.int8) == 2 * 8 * 4 * 68  # 64 codes + a float32 scale
+    assert kv_layout.bytes_per_token(8, 4, 64, torch.bfloat16) == 2 * 8 * 4 * 64 * 2
+    assert kv_layout.bytes_per_token(8, 4, 64, torch.int8) == 2 * 8 * 4 * 68  # 64 codes + a float32 scale
     blocks = {}
     for kv_dtype in ("bfloat16", "int8"):
         llm = LLM("dummy:tiny", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_bytes=1 << 20, max_model_len=256)
@@ -60,13 +60,13 @@ def test_native_write_stores_the_torch_bytes(dtype, d):
     if dtype != torch.float16:  # a row so small that 127 / max|x| overflows a float: codes 0
         k[5, 0] = 2e-37 * torch.sign(k[5, 0])
     slots = torch.randperm(10 * 16, generator=g)[:tokens]
-    shape = kv_cache.cache_shape(10, 16, kvh, d, torch.int8)
+    shape = kv_layout.cache_shape(10, 16, kvh, d, torch.int8)
     k_cache, v_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
     torch.ops.travelator.write_kv_(k_cache, v_cache, slots, k, v)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     for t, slot in enumerate(slots.tolist()):  # block slot // 16, every head, place slot % 16
-        want_k[slot // 16, :, slot % 16] = kv_cache.quantize_rows(k[t])
-        want_v[slot // 16, :, slot % 16] = kv_cache.quantize_rows(v[t])
+        want_k[slot // 16, :, slot % 16] = kv_layout.quantize_rows(k[t])
+        want_v[slot // 16, :, slot % 16] = kv_layout.quantize_rows(v[t])
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
@@ -76,7 +76,7 @@ def int8_caches(num_blocks, block_size, kvh, d, seed):
     keys = torch.randn(num_blocks, block_size, kvh, d, generator=g) * (1 + 4 * (torch.rand(d, generator=g) > 0.9))
     values = torch.randn(num_blocks, block_size, kvh, d, generator=g)
     # As the cache lays them out: [blocks, kv heads, block_size, row].
-    return (kv_cache.quantize_rows(x).transpose(1, 2).contiguous() for x in (keys, values))
+    return (kv_layout.quantize_rows(x).transpose(1, 2).contiguous() for x in (keys, values))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("native", marks=native), "torch"])
@@ -91,7 +91,7 @@ def test_attention_over_int8_rows_matches_the_reference(backend, dtype, tol, blo
     reqs.append((300, 1, list(range(-(-301 // block_size)))))  # a decode past the 256-key chunk
     total = sum(n for _, n, _ in reqs)
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(1)).to(dtype)
-    ref = reference(q, kv_cache.dequantize_rows(k_rows, torch.float64), kv_cache.dequantize_rows(v_rows, torch.float64),
+    ref = reference(q, kv_layout.dequantize_rows(k_rows, torch.float64), kv_layout.dequantize_rows(v_rows, torch.float64),
                     reqs, d**-0.5)
     got = attend(backend, q, k_rows, v_rows, reqs, heads, kvh, d)
     torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)

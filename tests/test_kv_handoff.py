@@ -136,7 +136,7 @@ def test_bad_hand_offs_are_refused():
 def _worker(rank: int, port: int, prompts: list[str], max_tokens: int, kv_cache_dtype: str, results) -> None:
     import torch.distributed as dist
 
-    from travelator.distributed.kv_transport import KVChannel
+    from travelator.disagg.kv_transport import KVChannel
 
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=__import__("datetime").timedelta(seconds=120))
     channel = KVChannel(store, rank, 2, timeout_s=120)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sim import Arrival, make_scheduler, simulate
-from travelator.engine.kv_cache import KVCacheManager
+from travelator.engine.block_manager import KVCacheManager
 from travelator.engine.request import Request
 from travelator.sampling_params import SamplingParams
 

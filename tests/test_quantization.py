@@ -16,7 +16,7 @@ import torch
 from paths import STORIES, STORIES_EXPECTED, needs_stories
 
 from travelator import LLM, SamplingParams
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 from travelator.model.attention import build_metadata
 from travelator.model.gguf_requantize import requantize_gguf
 from travelator.model.quant import Int4Weight, Int8Weight, QuantizedBuilder, parse_gguf_blocks, quantize
@@ -80,7 +80,7 @@ def sequence_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     arch = model.arch
     n, bs = len(token_ids), 16
     blocks = math.ceil(n / bs)
-    shape = kv_cache.cache_shape(blocks, bs, arch.num_kv_heads, arch.head_dim, llm.engine.runner.kv_dtype)
+    shape = kv_layout.cache_shape(blocks, bs, arch.num_kv_heads, arch.head_dim, llm.engine.runner.kv_dtype)
     caches = [(torch.zeros(shape, dtype=llm.engine.runner.kv_dtype), torch.zeros(shape, dtype=llm.engine.runner.kv_dtype))
               for _ in range(arch.num_layers)]
     meta = build_metadata(model.ops.attention_backend, torch.arange(n), [n], [0], [list(range(blocks))], bs,

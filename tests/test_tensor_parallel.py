@@ -22,7 +22,7 @@ import torch
 from hf_models import build_checkpoint, gemma3_overrides, load_reference, phi3_overrides, reference_greedy
 from staggered import greedy, run_staggered
 from travelator import LLM
-from travelator.distributed.executor import TensorParallelError
+from travelator.engine.tp_executor import TensorParallelError
 
 
 @pytest.fixture(autouse=True)
@@ -143,8 +143,8 @@ def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypa
     """On CUDA each rank takes cuda:LOCAL_RANK. With one GPU visible, two ranks are refused
     with the reason (on a one-GPU machine rank 1 used to die on "invalid device ordinal",
     and the engine reported only that a worker had died)."""
-    from travelator.distributed.executor import TPExecutor
-    from travelator.distributed.worker import rank_device
+    from travelator.engine.tp_executor import TPExecutor
+    from travelator.engine.tp_worker import rank_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     launched = []
@@ -228,7 +228,7 @@ def test_fixed_order_all_reduce_sums_in_rank_order():
     the size, which is what the batch-invariant mode must avoid)."""
     import torch.distributed as dist
 
-    from travelator.distributed.comm import TPGroup
+    from travelator.model.tp_group import TPGroup
 
     store = dist.HashStore()
     size = 3

@@ -1,4 +1,4 @@
-"""The live view's records (engine/walkway.py) against walkways traced by hand: who sits on
+"""The live view's records (dashboard/walkway.py) against walkways traced by hand: who sits on
 which seat at each step, who joins and who leaves, and why. stories260K, two seats; every
 request ignores EOS, so its length alone says when it leaves (the prefill step samples its
 first token)."""
@@ -10,7 +10,7 @@ from paths import STORIES, needs_stories
 
 from travelator import LLM, SamplingParams
 from travelator.dashboard.feed import StepFeed
-from travelator.engine.walkway import WalkwayRecorder
+from travelator.dashboard.walkway import WalkwayRecorder
 
 PROMPTS = {"A": "Once upon a time", "B": "The little dog ran", "C": "Lily had a red ball", "D": "One day"}
 

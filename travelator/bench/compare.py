@@ -30,7 +30,7 @@ from travelator.bench.metrics import compute_metrics, format_markdown_table, for
 from travelator.bench.runner import RunResult, run_engine, warm_up
 from travelator.bench.workloads import Workload
 from travelator.dashboard.page import render_page
-from travelator.engine.walkway import WalkwayRecorder
+from travelator.dashboard.walkway import WalkwayRecorder
 
 BATCHING_MODES = ("static", "dynamic", "orca", "iteration")  # the history's order
 DEFAULT_MODES = ("static", "iteration")

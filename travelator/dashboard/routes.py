@@ -1,7 +1,7 @@
 """``/dashboard`` (the page) and ``/dashboard/stream`` (its records, server-sent events).
 
 The stream: first an ``info`` event (model, seats, pool size), then one ``message`` event per
-step whose data is a walkway record (``engine/walkway.py``) with its ``seq``; a ``dropped``
+step whose data is a walkway record (``walkway.py``) with its ``seq``; a ``dropped``
 event says how many records a slow reader missed; a comment line every 15 s keeps idle
 connections open. ``?after=N`` resumes after record N (an EventSource sends
 ``Last-Event-ID`` on its own); a new stream starts ``backlog`` records back, so the page

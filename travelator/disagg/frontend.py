@@ -34,7 +34,7 @@ from travelator.config import REQUEST_LEVEL_BATCHING, EngineConfig
 from travelator.disagg import messages as m
 from travelator.disagg.placement import Placement
 from travelator.disagg.router import Router
-from travelator.disagg.worker import WorkerSpec, run_worker
+from travelator.disagg.worker import DisaggWorkerSpec, run_worker
 from travelator.engine.async_engine import EngineDeadError, call_listeners, read_stream
 from travelator.engine.engine import EngineCounters, StepStats
 from travelator.engine.grammar_compiler import GrammarCompiler
@@ -103,11 +103,12 @@ class FrontEngine:
         self.max_model_len = max_model_len
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
-        self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, max_model_len, eos, self.grammars)
+        self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, max_model_len, eos,
+                                              self.grammars)
         self._workers = workers
 
     def make_request(self, prompt, params=None, request_id=None, priority=0, cache_salt=None) -> Request:
-        return self.requests.make_request(prompt, params, request_id, priority, cache_salt)
+        return self.request_factory.make_request(prompt, params, request_id, priority, cache_salt)
 
     @property
     def num_running(self) -> int:
@@ -185,8 +186,8 @@ class DisaggregatedEngine:
         threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.workers))
         self.processes: dict[m.WorkerId, multiprocessing.Process] = {}
         for w in self.workers:
-            spec = WorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill, disagg.num_decode,
-                              threads, os.getpid(), disagg.start_timeout_s)
+            spec = DisaggWorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill,
+                                    disagg.num_decode, threads, os.getpid(), disagg.start_timeout_s)
             events, worker_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=run_worker, args=(spec, self._commands[w], worker_end),
                                name=f"travelator-{w.role}-{w.index}", daemon=True)

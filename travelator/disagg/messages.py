@@ -3,7 +3,7 @@
 Commands go to one worker through its own queue (multiprocessing, FIFO); its events come
 back through its own pipe. Both carry these dataclasses (pickled between processes
 this server started, on one machine). KV data never goes through them: it moves between a
-prefill and a decode worker over gloo (``distributed/kv_transport.py``).
+prefill and a decode worker over gloo (``kv_transport.py``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from travelator.disagg import messages as m
 from travelator.disagg.placement import Placement
-from travelator.engine.kv_cache import blocks_for
+from travelator.engine.block_manager import blocks_for
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request, RequestTimes
 

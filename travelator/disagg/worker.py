@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from travelator.config import EngineConfig
 from travelator.disagg import messages as m
-from travelator.distributed.kv_transport import KVChannel
-from travelator.distributed.worker import watch_parent
+from travelator.disagg.kv_transport import KVChannel
 from travelator.engine.engine import LLMEngine
 from travelator.engine.kv_handoff import KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.self_check import engine_self_check
+from travelator.engine.tp_worker import watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,10 @@ IDLE_REPORT_S = 1.0
 
 
 @dataclass(slots=True)
-class WorkerSpec:
+class DisaggWorkerSpec:
+    """What a worker process needs to start: its role and index, its engine's settings, and
+    the front end's store (for the KV pairs)."""
+
     worker: m.WorkerId
     config: EngineConfig
     store_host: str
@@ -86,7 +89,7 @@ def pair_channel(store: dist.Store, prefill: int, decode: int, role: str, timeou
                      timeout_s=timeout_s)
 
 
-def run_worker(spec: WorkerSpec, commands, events: Connection) -> None:
+def run_worker(spec: DisaggWorkerSpec, commands, events: Connection) -> None:
     """The process's entry point (multiprocessing, spawn). ``events`` is this worker's own pipe
     to the front end: a worker killed in the middle of a message breaks only its own stream (a
     queue shared by all workers would stay locked by it, and every other worker's reports with it)."""
@@ -127,7 +130,7 @@ def _forward(commands, inbox: queue.SimpleQueue) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, inbox: queue.SimpleQueue, events: Connection) -> None:
+    def __init__(self, spec: DisaggWorkerSpec, engine: LLMEngine, inbox: queue.SimpleQueue, events: Connection) -> None:
         self.worker = spec.worker
         self.engine = engine
         self.inbox = inbox
@@ -218,7 +221,7 @@ class _WorkerLoop:
 
 
 class PrefillLoop(_WorkerLoop):
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, store: dist.Store, inbox: queue.SimpleQueue,
+    def __init__(self, spec: DisaggWorkerSpec, engine: LLMEngine, store: dist.Store, inbox: queue.SimpleQueue,
                  events: Connection) -> None:
         super().__init__(spec, engine, inbox, events)
         self.targets: dict[str, int | None] = {}  # request id -> decode worker
@@ -292,7 +295,7 @@ class PrefillLoop(_WorkerLoop):
 
 
 class DecodeLoop(_WorkerLoop):
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, store: dist.Store, inbox: queue.SimpleQueue,
+    def __init__(self, spec: DisaggWorkerSpec, engine: LLMEngine, store: dist.Store, inbox: queue.SimpleQueue,
                  events: Connection) -> None:
         super().__init__(spec, engine, inbox, events)
         self.expected: dict[str, m.Expect] = {}

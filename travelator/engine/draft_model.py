@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 from travelator.model.attention import build_metadata, slot_mapping
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource
@@ -58,11 +58,11 @@ class DraftModel:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch
-        return block_size * kv_cache.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        return block_size * kv_layout.bytes_per_token(a.num_layers, a.num_kv_heads, a.head_dim, self.kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = kv_cache.cache_shape(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
+        shape = kv_layout.cache_shape(num_blocks, block_size, a.num_kv_heads, a.head_dim, self.kv_dtype)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(a.num_layers)]

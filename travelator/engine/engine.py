@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from travelator.config import EngineConfig
-from travelator.distributed.executor import TensorParallelError, make_executor
+from travelator.engine.block_manager import KVCacheManager, blocks_for
 from travelator.engine.detokenizer import IncrementalDetokenizer
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.kv_cache import KVCacheManager, blocks_for
 from travelator.engine.kv_handoff import KV_LAYOUT, KVHandoff, KVPoolFullError
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import Request, RequestStatus
@@ -24,6 +23,7 @@ from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
+from travelator.engine.tp_executor import TensorParallelError, make_executor
 from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams
@@ -102,8 +102,8 @@ class LLMEngine:
                       f"|{mc.quantization_group_size}|{mc.lm_head_quantization}",
         )
         self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
-        self.requests = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                       self.eos_token_ids, self.grammars)
+        self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                               self.eos_token_ids, self.grammars)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
@@ -179,7 +179,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------
     def make_request_id(self) -> str:
-        return self.requests.make_request_id()
+        return self.request_factory.make_request_id()
 
     def make_request(
         self,
@@ -190,7 +190,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenise (``RequestFactory.make_request``); changes no engine state."""
-        return self.requests.make_request(prompt, params, request_id, priority, cache_salt)
+        return self.request_factory.make_request(prompt, params, request_id, priority, cache_salt)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by make_request (on the thread that steps the engine)."""

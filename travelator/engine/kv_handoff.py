@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 
-# The order of a layer's K or V cache dimensions (model/kv_cache.py's cache_shape), named in
+# The order of a layer's K or V cache dimensions (model/kv_layout.py's cache_shape), named in
 # a hand-off so that an engine never reads another's blocks in another order.
 KV_LAYOUT = "blocks, kv_heads, block_size, row"
 # Before 2026-12-04, and what a hand-off that names none was sent in.
@@ -32,7 +32,7 @@ class KVHandoff:
     output_token_ids: list[int]  # sampled by the prefill engine (the first token)
     num_computed_tokens: int  # tokens whose K/V the data holds: the prompt
     block_size: int
-    # [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, row (model/kv_cache.py)], the request's
+    # [num_layers, 2 (K, V), num_blocks, num_kv_heads, block_size, row (model/kv_layout.py)], the request's
     # blocks in its own order; slots past num_computed_tokens are unspecified.
     kv: "torch.Tensor"
     cache_salt: str | None = None  # the request's prefix-cache salt, kept on the decode side

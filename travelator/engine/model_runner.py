@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from travelator.distributed.comm import TPGroup
 from travelator.engine.draft_model import DraftJob, DraftModel
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
@@ -25,7 +24,7 @@ from travelator.engine.scheduler_output import (
     SampledToken,
     SchedulerOutput,
 )
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata, build_metadata, slot_mapping
 from travelator.model.host_memory import retain_freed_memory
@@ -33,6 +32,7 @@ from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.ops import make_ops
 from travelator.model.sampler import SamplingBatch, sample
+from travelator.model.tp_group import TPGroup
 from travelator.sampling_params import SamplingParams
 
 
@@ -117,12 +117,12 @@ class ModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch
         draft = self.draft.kv_bytes_per_block(block_size) if self.draft is not None else 0
-        return block_size * kv_cache.bytes_per_token(a.num_layers, a.num_kv_heads // self.tp_size, a.head_dim,
+        return block_size * kv_layout.bytes_per_token(a.num_layers, a.num_kv_heads // self.tp_size, a.head_dim,
                                                      self.kv_dtype) + draft
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         a = self.arch
-        shape = kv_cache.cache_shape(num_blocks, block_size, a.num_kv_heads // self.tp_size, a.head_dim,
+        shape = kv_layout.cache_shape(num_blocks, block_size, a.num_kv_heads // self.tp_size, a.head_dim,
                                      self.kv_dtype)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 
 from travelator.config import SchedulerConfig
-from travelator.engine.kv_cache import KVCacheManager, blocks_for
+from travelator.engine.block_manager import KVCacheManager, blocks_for
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.speculation import Speculator
 from travelator.engine.scheduler_output import (

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from travelator.config import SchedulerConfig
-from travelator.engine.kv_cache import KVCacheManager
+from travelator.engine.block_manager import KVCacheManager
 from travelator.engine.scheduler import (
     IterationScheduler,
     PriorityScheduler,

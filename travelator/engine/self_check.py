@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from travelator.engine.kv_cache import BlockAccountingError
+from travelator.engine.block_manager import BlockAccountingError
 
 if TYPE_CHECKING:
     from travelator.engine.engine import LLMEngine

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from travelator.model import kv_cache
+from travelator.model import kv_layout
 
 AttentionBackend = Literal["native", "torch"]
 
@@ -128,7 +128,7 @@ class PagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, KVH, D]
         v: torch.Tensor,  # [T, KVH, D]
-        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, row]: row D, or D + 4 (int8, model/kv_cache.py)
+        k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, row]: row D, or D + 4 (int8, model/kv_layout.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -137,8 +137,8 @@ class PagedAttention:
         if meta.backend == "native" and k_cache.dtype in (k.dtype, torch.int8):
             torch.ops.travelator.write_kv_(k_cache, v_cache, meta.slot_mapping, k, v)
         else:
-            kv_cache.write_rows(k_cache, meta.slot_mapping, _as_stored(k, k_cache.dtype))
-            kv_cache.write_rows(v_cache, meta.slot_mapping, _as_stored(v, v_cache.dtype))
+            kv_layout.write_rows(k_cache, meta.slot_mapping, _as_stored(k, k_cache.dtype))
+            kv_layout.write_rows(v_cache, meta.slot_mapping, _as_stored(v, v_cache.dtype))
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
                 q, k_cache, v_cache, meta.query_start, meta.seq_lens,
@@ -163,8 +163,8 @@ class PagedAttention:
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Blocks of one or more requests as a [..., KVH, L, D] key range of ``dtype``."""
-        g = kv_cache.gather_positions(cache, block_table)
-        return kv_cache.dequantize_rows(g, dtype) if cache.dtype == torch.int8 else g.to(dtype)
+        g = kv_layout.gather_positions(cache, block_table)
+        return kv_layout.dequantize_rows(g, dtype) if cache.dtype == torch.int8 else g.to(dtype)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         block_size = k_cache.shape[2]
@@ -226,11 +226,11 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch
 
 def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """Rows [T, KVH, D] as the cache stores them."""
-    return kv_cache.quantize_rows(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+    return kv_layout.quantize_rows(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
 
 
 def _as_read(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """Rows as they read back from a cache of ``cache_dtype``, in ``dtype``."""
     if cache_dtype == torch.int8:
-        return kv_cache.dequantize_rows(kv_cache.quantize_rows(x), dtype)
+        return kv_layout.dequantize_rows(kv_layout.quantize_rows(x), dtype)
     return x.to(cache_dtype).to(dtype)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from travelator.distributed.comm import TPGroup
 from travelator.model.arch import ModelArch
 from travelator.model.attention import PagedAttention
 from travelator.model.layers import RMSNorm, RotaryEmbedding
 from travelator.model.ops import TorchOps
+from travelator.model.tp_group import TPGroup
 
 
 def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -52,7 +52,7 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.de
 
 def resolve_kv_dtype(requested: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: "auto" is the model's; "int8" stores 8-bit codes with a scale
-    per token and head (model/kv_cache.py)."""
+    per token and head (model/kv_layout.py)."""
     if requested == "auto":
         return model_dtype
     if requested == "int8":

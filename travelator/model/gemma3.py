@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from travelator.distributed.comm import TPGroup
 from travelator.model.arch import ModelArch
 from travelator.model.blocks import MLP, Attention
 from travelator.model.layers import RMSNorm, RotaryEmbedding
 from travelator.model.ops import TorchOps
+from travelator.model.tp_group import TPGroup
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from travelator.distributed.comm import TPGroup, check_divisible
 from travelator.model.arch import ModelArch
 from travelator.model.attention import AttentionMetadata
 from travelator.model.blocks import MLP, Attention, param
@@ -36,6 +35,7 @@ from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
 from travelator.model.ops import TorchOps
 from travelator.model.quant import BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod, quantize
 from travelator.model.quant_policy import QuantPolicy
+from travelator.model.tp_group import TPGroup, check_divisible
 
 
 class DecoderLayer(nn.Module):

@@ -39,9 +39,9 @@ from starlette.requests import ClientDisconnect
 
 from travelator.dashboard.feed import StepFeed
 from travelator.dashboard.routes import dashboard_routes
+from travelator.dashboard.walkway import WalkwayRecorder
 from travelator.engine.async_engine import AsyncEngine
 from travelator.engine.engine import LLMEngine
-from travelator.engine.walkway import WalkwayRecorder
 from travelator.server.auth import bearer_matches
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion

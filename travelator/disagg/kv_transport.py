@@ -4,7 +4,7 @@ A prefill worker sends each ``KVHandoff`` to a decode worker: a small header (th
 tokens and the data's shape, as JSON: nothing received is unpickled) and then the K/V one layer at a time, every send
 queued at once so that gloo moves a layer while the next is handed over. The receiver
 allocates each layer's buffer from the header. The group is built from a store, with no
-process-wide default group, as ``comm.py`` does.
+process-wide default group, as the tensor-parallel group (``model/tp_group.py``) is.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ its own KV cache (its share of the KV heads), keeps its own copy of each running
 request's tokens, and runs each step the driver describes. It never schedules and
 never samples: the driver does both, once.
 
-Start one with ``python -m travelator.distributed`` in a torchrun-style
+Start one with ``python -m travelator.engine.tp_worker`` in a torchrun-style
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The engine's own
 launcher does that for one machine; under ``torchrun`` the engine's constructor turns
-every rank but 0 into a worker (see executor.make_executor).
+every rank but 0 into a worker (see tp_executor.make_executor).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from travelator.distributed.comm import LaunchEnv, TPGroup, connect_store, launch_env
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
+from travelator.model.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ STOP = "stop"  # the method name of the last message
 
 
 @dataclass(slots=True)
-class WorkerSpec:
+class TPWorkerSpec:
     """What a worker needs to build its shard; sent by the driver once, after rendezvous."""
 
     model: str
@@ -141,7 +142,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
         torch.set_num_threads(int(threads))
 
     group = TPGroup(connect_store(env), env.rank, env.world_size)
-    spec: WorkerSpec = group.broadcast_object()
+    spec: TPWorkerSpec = group.broadcast_object()
     device = rank_device(spec.device_type, env.local_rank)
     group.connect_data(device)
 
@@ -181,4 +182,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the importable module, not this __main__ copy of it: the driver's pickled
+    # messages name classes of travelator.engine.tp_worker.
+    from travelator.engine.tp_worker import main as run_as_module
+
+    run_as_module()

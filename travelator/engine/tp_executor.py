@@ -31,21 +31,15 @@ import torch
 import torch.distributed as dist
 
 from travelator.config import ModelConfig, ParallelConfig
-from travelator.distributed.comm import (
-    DATA_TIMEOUT_S,
-    LaunchEnv,
-    TPGroup,
-    check_divisible,
-    connect_store,
-    launch_env,
-)
-from travelator.distributed.worker import STOP, Worker, WorkerSpec, check_gpu_for_rank, rank_device, run_worker
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
+from travelator.engine.tp_worker import STOP, TPWorkerSpec, Worker, check_gpu_for_rank, rank_device, run_worker
 from travelator.model.arch import ModelArch
 from travelator.model.loader import ModelSource, WeightIterator
+from travelator.model.tp_group import DATA_TIMEOUT_S, TPGroup, check_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +76,9 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     if env is not None and env.rank != 0:
         run_worker(env)
         raise SystemExit(0)
-    spec = WorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
-                      max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant,
-                      model.quantization, model.quantization_group_size, model.lm_head_quantization)
+    spec = TPWorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
+                        max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant,
+                        model.quantization, model.quantization_group_size, model.lm_head_quantization)
     return TPExecutor(spec, arch, weights, size, env, grammars)
 
 
@@ -130,7 +124,7 @@ def _close(g: _Group) -> None:
 class TPExecutor:
     """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
-    def __init__(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
+    def __init__(self, spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                  size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None) -> None:
         self._grammars = grammars  # the driver's runner masks constrained rows with it
         self.size = size
@@ -148,7 +142,7 @@ class TPExecutor:
                 raise TensorParallelError(self._death_message(dead) + " while starting") from exc
             raise
 
-    def _start(self, spec: WorkerSpec, arch: ModelArch, weights: WeightIterator | None,
+    def _start(self, spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                env: LaunchEnv | None) -> None:
         t0 = time.perf_counter()
         if env is None:  # launch the workers on this machine
@@ -198,7 +192,7 @@ class TPExecutor:
         )
         if device_type == "cpu" and "TRAVELATOR_TP_THREADS" not in env:
             env["TRAVELATOR_TP_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
-        return subprocess.Popen([sys.executable, "-m", "travelator.distributed"], env=env)
+        return subprocess.Popen([sys.executable, "-m", "travelator.engine.tp_worker"], env=env)
 
     def _watched(self, fn: Callable[[], Any]) -> Any:
         """Run a blocking rendezvous step, failing at once if a local worker dies meanwhile."""
@@ -322,5 +316,4 @@ class TPExecutor:
             if self._error is None:
                 self._error = "the tensor-parallel engine has been shut down"
         self._finalizer()
-        if hasattr(self, "runner"):  # not when the group failed to start
-            self.runner.shutdown()
+        self.runner.shutdown()  # a group that failed to start raised from __init__: it has one
