@@ -9,9 +9,9 @@
 #   2. bench interference: steady decodes while 1,536-token prompts arrive, the four modes and
 #      disaggregation (one prefill and one decode worker process, a core each).
 #
-# About 10 minutes on a quiet 2-core CPU. Writes the tables (*.txt), JSON and PNGs to
-# $HISTORY_OUT (default docs/history); its last lines are the ratios. Quote its figures only
-# from a quiet machine: it prints the load average before it starts.
+# It runs for minutes (docs/history.md says how long). Writes the tables (*.txt), JSON and
+# PNGs to $HISTORY_OUT (default docs/history); its last lines are the ratios. Quote its figures
+# only from a quiet machine: it prints the load average before it starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}  # the environment travelator is installed in

@@ -3,8 +3,8 @@
 Each layer's four GEMMs (QKV, output, gate/up, down) of a random-init 50M or 250M Llama (8 or
 16 distinct layers, so their weights stream from memory as in a real step) and then the LM
 head, at several row counts; medians of 9. For comparison, the time of a float32 sum over the
-same bytes and the GEMMs' arithmetic at 980 GFLOP/s. blocked_linear is built only on CPUs
-with AVX512-BF16 and no AMX.
+same bytes and the GEMMs' arithmetic at ``--peak-gflops``. blocked_linear is built only on
+CPUs with AVX512-BF16 and no AMX.
 
     python benchmarks/linear_step.py --preset 50m
 """
@@ -31,6 +31,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="50m")
     ap.add_argument("--rows", default="1,2,8,20,40,64")
+    ap.add_argument("--peak-gflops", type=float, default=980.0,
+                    help="the CPU's bf16 GEMM rate, for the arithmetic's time (default: the rate "
+                         "measured on the AVX512-BF16 machine of docs/benchmarks.md)")
     args = ap.parse_args()
     kernels.load()
     if not hasattr(torch.ops.travelator, "blocked_linear"):
@@ -57,7 +60,7 @@ def main() -> None:
         b = median_ms(lambda: ([blocked_linear(x[k], w, None) for ws in blocked for (k, _), w in zip(shapes, ws)],
                                blocked_linear(x[hidden], lm_blocked, None)))
         print(f"  {rows:4d} rows: oneDNN {a:.2f} ms, blocked_linear {b:.2f} ms ({a / b:.2f}x); "
-              f"arithmetic at 980 GFLOP/s {2 * rows * params / 980e6:.2f} ms")
+              f"arithmetic at {args.peak_gflops:g} GFLOP/s {2 * rows * params / (args.peak_gflops * 1e6):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # The Orca experiment of docs/benchmarks.md: static (request-level) batching against
 # iteration-level scheduling on a random-weight ~250M Llama in bfloat16, Orca's synthetic
 # workload with Orca's output range (1-128 tokens) and prompts shortened from Orca's 32-512
-# to 32-128 tokens so that the sweep fits in about 10 minutes on a shared 2-core CPU,
+# to 32-128 tokens so that the sweep stays short (docs/benchmarks.md says how long it took),
 # Poisson arrivals at a sweep of rates. Extra arguments are passed on, e.g.
 #   benchmarks/orca_compare.sh --output-dir /tmp/cmp --request-rates 1 2
 set -euo pipefail

@@ -207,15 +207,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def test_bench_parser_has_three_subcommands():
-    from travelator.bench import cli
+    from travelator.bench import commands
 
     p = _parser()
     a = p.parse_args(["bench", "compare", "--request-rates", "1", "inf", "--model", "dummy:tiny"])
-    assert a.func is cli.cmd_compare and a.request_rates == ["1", "inf"]
+    assert a.func is commands.cmd_compare and a.request_rates == ["1", "inf"]
     a = p.parse_args(["bench", "throughput", "--workload", "fixed", "--goodput", "ttft:100"])
-    assert a.func is cli.cmd_throughput and a.goodput == ["ttft:100"]
+    assert a.func is commands.cmd_throughput and a.goodput == ["ttft:100"]
     a = p.parse_args(["bench", "serve", "--base-url", "http://x:1", "--max-concurrency", "4"])
-    assert a.func is cli.cmd_serve and a.max_concurrency == 4
+    assert a.func is commands.cmd_serve and a.max_concurrency == 4
 
 
 def test_server_gets_the_engine_options_that_were_given():
@@ -231,11 +231,11 @@ def test_server_gets_the_engine_options_that_were_given():
 def test_wires_into_the_main_cli():
     """`travelator bench ...` reaches the bench commands through the main parser."""
     from travelator import cli as main_cli
-    from travelator.bench import cli
+    from travelator.bench import commands
 
     parser = main_cli.build_parser()
     a = parser.parse_args(["bench", "throughput", "--model", "dummy:tiny", "--num-requests", "3"])
-    assert a.func is cli.cmd_throughput and a.num_requests == 3
+    assert a.func is commands.cmd_throughput and a.num_requests == 3
 
 
 # ---- the interference metrics ------------------------------------------------------------
