@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from travelator.engine.request import Request
     from travelator.model.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "EngineCounters", "EngineDeadError", "EngineSnapshot", "LiveBatch",
-           "RequestSpec", "ServedModel", "StepStats", "read_stream", "stream_outputs"]
+__all__ = ["DeathListener", "EngineClient", "EngineCounters", "EngineDeadError", "EngineSnapshot",
+           "LiveBatch", "RequestSpec", "ServedModel", "StepListener", "StepStats", "call_listeners",
+           "read_stream", "stream_outputs"]
 
 logger = logging.getLogger(__name__)
 
