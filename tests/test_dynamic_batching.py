@@ -10,6 +10,7 @@ import pytest
 
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
+from travelator.engine.client import RequestSpec
 from travelator.sampling_params import SamplingParams
 
 DELAY_S = 1.0
@@ -36,7 +37,7 @@ async def _latencies(engine, num_requests: int, notified: list | None = None) ->
     try:
         async def one(i: int) -> float:
             t0 = time.monotonic()
-            async for out in aeng.generate([5 + i, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)):
+            async for out in aeng.generate(RequestSpec([5 + i, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))):
                 if out.finished:
                     assert out.error is None and len(out.output_token_ids) == 3
             return time.monotonic() - t0
@@ -68,7 +69,7 @@ def test_metrics_hear_of_each_step_once():
         aeng.start()
 
         async def one(i):
-            async for out in aeng.generate([5 + i, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)):
+            async for out in aeng.generate(RequestSpec([5 + i, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))):
                 pass
 
         try:

@@ -59,20 +59,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings.step_timeout_s = args.step_timeout
     settings.validate()
     if args.disaggregate is not None:
-        from travelator.disagg.frontend import DisaggConfig, DisaggregatedEngine
+        from travelator.disagg.frontend import DisaggConfig, DisaggregatedFrontEnd
         from travelator.engine_args import engine_config
 
         disagg = DisaggConfig.parse(args.disaggregate)
         disagg.threads_per_worker = args.worker_threads
-        async_engine = DisaggregatedEngine(engine_config(model, **engine_kwargs(args)), disagg)
+        client = DisaggregatedFrontEnd(engine_config(model, **engine_kwargs(args)), disagg)
         layout = f"; {disagg.num_prefill} prefill and {disagg.num_decode} decode workers"
     else:
-        async_engine = AsyncEngine(LLM(model, **engine_kwargs(args)).engine)
+        client = AsyncEngine(LLM(model, **engine_kwargs(args)).engine)
         layout = ""
-    app = build_app(async_engine, settings)
+    app = build_app(client, settings)
     auth = "API key required" if settings.api_key else "no API key (use --api-key to require one)"
     print(f"serving {', '.join(settings.served_model_names)} on http://{args.host}:{args.port}/v1 "
-          f"(context {async_engine.engine.max_model_len} tokens{layout}; {auth})", file=sys.stderr, flush=True)
+          f"(context {client.served_model.max_model_len} tokens{layout}; {auth})", file=sys.stderr, flush=True)
     if settings.dashboard and args.disaggregate is None:
         print(f"live view: http://{args.host}:{args.port}/dashboard", file=sys.stderr, flush=True)
     return run_server(app, args.host, args.port, log_level=args.log_level.lower(),

@@ -33,7 +33,7 @@ from travelator.bench.compare import LABELS, MODE_STYLE, jsonable, model_summary
 from travelator.bench.metrics import format_table
 from travelator.bench.runner import RunResult, run_engine, run_served, warm_up
 from travelator.bench.workloads import decodes_and_long_prompts
-from travelator.disagg.frontend import DisaggConfig, DisaggregatedEngine
+from travelator.disagg.frontend import DisaggConfig, DisaggregatedFrontEnd
 from travelator.disagg.worker import IDLE_REPORT_S
 from travelator.engine_args import engine_config
 
@@ -157,7 +157,7 @@ def run_interference(model: str, engine_kwargs: dict, setup: InterferenceSetup, 
         warm_up(engines[mode], num_requests=1, prompt_len=setup.long_prompt_len, output_len=2)
     eng0 = engines[modes[-1]]
     if disaggregate is not None:
-        served = DisaggregatedEngine(engine_config(model, **dict(engine_kwargs, batching="iteration")), disaggregate)
+        served = DisaggregatedFrontEnd(engine_config(model, **dict(engine_kwargs, batching="iteration")), disaggregate)
         engines[DISAGGREGATED] = served
         warm = decodes_and_long_prompts(vocab_size=eng0.arch.vocab_size, num_decodes=2, decode_prompt_len=16,
                                         decode_output_len=4, num_long=1, long_prompt_len=setup.long_prompt_len,

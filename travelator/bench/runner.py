@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from travelator.bench.metrics import RequestResult
 from travelator.bench.workloads import Workload
+from travelator.engine.client import RequestSpec
 from travelator.engine.engine import StepStats
 from travelator.sampling_params import SamplingParams
 
@@ -187,8 +188,8 @@ def _load_1m() -> float:
 
 def run_served(engine, workload: Workload, arrivals=None, *, progress: bool = True,
                desc: str = "requests") -> RunResult:
-    """``run_engine`` for an engine with ``AsyncEngine``'s interface (``generate``, step
-    listeners), which steps by itself: each request is added at its arrival time and its
+    """``run_engine`` for an ``EngineClient`` (``generate``, step listeners), which steps
+    by itself: each request is added at its arrival time and its
     tokens are timed as they come out of ``generate``; steps are those the listeners hear of."""
     return asyncio.run(_run_served(engine, workload, arrivals, progress, desc))
 
@@ -213,7 +214,8 @@ async def _run_served(engine, workload: Workload, arrivals, progress: bool, desc
         await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - t0)))
         spec, r = workload.requests[i], results[i]
         try:
-            async for out in engine.generate(spec.prompt_token_ids, sampling_params_for(spec.output_len)):
+            request = RequestSpec(spec.prompt_token_ids, sampling_params_for(spec.output_len))
+            async for out in engine.generate(request):
                 _record(r, out, time.perf_counter() - t0)
         except ValueError as e:
             r.error, r.end = str(e), time.perf_counter() - t0

@@ -6,5 +6,6 @@ the KV of each prompt moves from the prefill worker to a decode worker over gloo
 - ``messages.py``: what the front end and the workers tell each other.
 - ``worker.py``: the worker processes.
 - ``kv_transport.py``: a prefill worker's KV to a decode worker, gloo point-to-point.
-- ``frontend.py``: ``DisaggregatedEngine``, what the HTTP server drives in place of ``AsyncEngine``.
+- ``frontend.py``: ``DisaggregatedFrontEnd``, the server's ``EngineClient`` over the workers;
+  ``front_report.py``: what it reports of them (snapshot, self-check, per-worker metrics).
 """

@@ -1,9 +1,11 @@
-"""The front end of a disaggregated server: ``DisaggregatedEngine`` stands where the
-single-engine server has its ``AsyncEngine`` (the same methods), and drives worker processes.
+"""The front end of a disaggregated server: ``DisaggregatedFrontEnd``, an ``EngineClient``
+(``engine/client.py``) that drives worker processes instead of an engine of its own.
 
 It starts the workers (``worker.py``) and waits until each is ready; the requests' state machine
-is its ``Router`` (``router.py``). All that state lives on the event loop's thread; two threads
-only pass what they see to it: the workers' reports, and processes that exited.
+is its ``Router`` (``router.py``). It validates requests itself (it loads the tokenizer, not the
+model); what it reports of its workers (snapshot, self-check, per-worker metrics) is in
+``front_report.py``. All that state lives on the event loop's thread; two threads only pass
+what they see to it: the workers' reports, and processes that exited.
 
 A worker that dies fails only the requests it held (``finish_reason="error"``, saying which
 worker); the others go on, ``degraded`` says what is missing (``/health`` shows it). When no
@@ -23,26 +25,33 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch.distributed as dist
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from travelator.config import REQUEST_LEVEL_BATCHING, EngineConfig
 from travelator.disagg import messages as m
+from travelator.disagg.front_report import WorkerMetrics, combine_reports, front_snapshot
 from travelator.disagg.placement import Placement
 from travelator.disagg.router import Router
 from travelator.disagg.worker import DisaggWorkerSpec, run_worker
-from travelator.engine.async_engine import EngineDeadError, call_listeners, read_stream
-from travelator.engine.engine import EngineCounters, StepStats
+from travelator.engine.client import (
+    DeathListener,
+    EngineDeadError,
+    EngineSnapshot,
+    RequestSpec,
+    ServedModel,
+    StepListener,
+    call_listeners,
+    stream_outputs,
+)
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request
 from travelator.engine.request_factory import RequestFactory
 from travelator.model.loader import open_model
-from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -70,97 +79,11 @@ class DisaggConfig:
         return cfg
 
 
-@dataclass(slots=True)
-class PoolTotals:
-    """The KV pools of the live workers, added up (what the server's gauges read)."""
-
-    num_blocks: int = 0
-    num_used_blocks: int = 0
-    num_free_blocks: int = 0
-    num_cached_blocks: int = 0
-    stats: "PrefixTotals" = field(default_factory=lambda: PrefixTotals())
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-@dataclass(slots=True)
-class PrefixTotals:
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-
-
-class FrontEngine:
-    """What the HTTP layer reads of "the engine": the tokenizer and request validation (no
-    model is loaded here), and the workers' state added up."""
-
-    def __init__(self, config: EngineConfig, workers: "DisaggregatedEngine", max_model_len: int) -> None:
-        source = open_model(config.model.model, config.model.load_format)
-        self.model_name = source.name
-        self.arch = source.arch
-        self.tokenizer = source.tokenizer
-        self.max_model_len = max_model_len
-        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        eos = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
-        self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, max_model_len, eos,
-                                              self.grammars)
-        self._workers = workers
-
-    def make_request(self, prompt, params=None, request_id=None, priority=0, cache_salt=None) -> Request:
-        return self.request_factory.make_request(prompt, params, request_id, priority, cache_salt)
-
-    @property
-    def num_running(self) -> int:
-        return sum(s.running for s in self._workers.live_stats())
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._workers.router.waiting) + sum(s.waiting + s.pending_handoffs for s in self._workers.live_stats())
-
-    @property
-    def counters(self) -> EngineCounters:
-        c = EngineCounters(finished=dict(self._workers.router.finished))
-        for worker, s in self._workers.stats.items():
-            w = s.counters
-            if worker.role == m.PREFILL:  # a decode worker counts a handed-off prompt again
-                c.prompt_tokens += w["prompt_tokens"]
-            c.computed_prompt_tokens += w["computed_prompt_tokens"]
-            c.generation_tokens += w["generation_tokens"]
-            c.preemptions += w["preemptions"]
-            c.steps += w["steps"]
-        return c
-
-    @property
-    def kv(self) -> PoolTotals:
-        t = PoolTotals()
-        for s in self._workers.live_stats():
-            t.num_blocks += s.total_blocks
-            t.num_used_blocks += s.used_blocks
-            t.num_free_blocks += s.free_blocks
-            t.num_cached_blocks += s.cached_blocks
-            t.stats.queried_tokens += s.prefix_queried_tokens
-            t.stats.hit_tokens += s.prefix_hit_tokens
-        return t
-
-
-class DisaggregatedEngine:
+class DisaggregatedFrontEnd:
     """Start the workers (returns once every one is ready) and serve through them."""
 
     def __init__(self, config: EngineConfig, disagg: DisaggConfig) -> None:
-        disagg.validate()
-        config.validate()
-        if config.parallel.tensor_parallel_size > 1:
-            raise ValueError("--disaggregate runs each worker on one rank (tensor_parallel_size 1)")
-        if config.scheduler.batching in REQUEST_LEVEL_BATCHING:
-            raise ValueError(f"--disaggregate needs iteration-level batching (iteration or orca), not "
-                             f"{config.scheduler.batching}: a decode worker admits each request as its KV comes")
-        if config.scheduler.speculative_method == "draft":
-            raise ValueError("--disaggregate does not move a draft model's cache: use ngram speculation or none")
-        # Each worker's engine would take its share of free memory for itself: share it out.
-        workers = disagg.num_prefill + disagg.num_decode
-        config = dataclasses.replace(config, cache=dataclasses.replace(
-            config.cache, kv_memory_share=config.cache.kv_memory_share / workers))
+        config = _worker_config(config, disagg)
         self.config = config
         self.disagg = disagg
         self.workers = [m.WorkerId(m.PREFILL, i) for i in range(disagg.num_prefill)] + \
@@ -168,16 +91,32 @@ class DisaggregatedEngine:
         self.stats: dict[m.WorkerId, m.WorkerStats] = {}
         self.dead: dict[m.WorkerId, str] = {}
         self._broken_links: set[m.WorkerId] = set()  # decode workers alive after a failed send
-        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
-        self.death_listeners: list[Callable[[BaseException], None]] = []
+        self.step_listeners: list[StepListener] = []
+        self.death_listeners: list[DeathListener] = []
         self.error: BaseException | None = None
-        self.metric_collectors = (self,)  # per-role figures, registered by the server's metrics
         self._streams: dict[str, asyncio.Queue] = {}
         self._accepting = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._checks: dict[int, tuple[asyncio.Future, dict[m.WorkerId, dict]]] = {}
         self._check_ids = itertools.count()
         self._stopped = threading.Event()
+        self._start_workers()
+        try:
+            ready = self._wait_ready(disagg.start_timeout_s)
+        except BaseException:
+            self.stop(1.0)
+            raise
+        block_sizes = {r.block_size for r in ready.values()}
+        self.block_size = block_sizes.pop()
+        self.pids = {w: r.pid for w, r in ready.items()}
+        placement = Placement(disagg.num_prefill,
+                              [ready[m.WorkerId(m.DECODE, i)].num_blocks for i in range(disagg.num_decode)])
+        self.router = Router(placement, self.block_size, self._send, self._push)
+        self.served_model, self._requests = _validation(config, min(r.max_model_len for r in ready.values()))
+        self.metric_collectors = (WorkerMetrics(self),)
+
+    def _start_workers(self) -> None:
+        config, disagg = self.config, self.disagg
         ctx = multiprocessing.get_context("spawn")
         self._event_pipes: dict[Connection, m.WorkerId] = {}  # each worker's own (see run_worker)
         self._commands = {w: ctx.Queue() for w in self.workers}
@@ -195,18 +134,6 @@ class DisaggregatedEngine:
             worker_end.close()  # the worker holds it now: its exit ends the stream
             self._event_pipes[events] = w
             self.processes[w] = proc
-        try:
-            ready = self._wait_ready(disagg.start_timeout_s)
-        except BaseException:
-            self.stop(1.0)
-            raise
-        block_sizes = {r.block_size for r in ready.values()}
-        self.block_size = block_sizes.pop()
-        self.pids = {w: r.pid for w, r in ready.items()}
-        placement = Placement(disagg.num_prefill,
-                              [ready[m.WorkerId(m.DECODE, i)].num_blocks for i in range(disagg.num_decode)])
-        self.router = Router(placement, self.block_size, self._send, self._push)
-        self.engine = FrontEngine(config, self, min(r.max_model_len for r in ready.values()))
 
     def _wait_ready(self, timeout_s: float) -> dict[m.WorkerId, m.Ready]:
         ready: dict[m.WorkerId, m.Ready] = {}
@@ -235,7 +162,7 @@ class DisaggregatedEngine:
                 pipe.close()
         return events
 
-    # ---- lifecycle (as AsyncEngine) ----------------------------------------------------
+    # ---- lifecycle ----------------------------------------------------
     def start(self) -> None:
         """Serve on the running event loop. Again on a later loop (a benchmark's next run): the
         reports go there from then on."""
@@ -278,6 +205,12 @@ class DisaggregatedEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def snapshot(self) -> EngineSnapshot:
+        return front_snapshot(self)
+
+    def live_batch(self) -> None:
+        return None  # each worker has its own batch (see /metrics for per-worker figures)
+
     def live_stats(self) -> list[m.WorkerStats]:
         return [s for w, s in self.stats.items() if w not in self.dead]
 
@@ -289,30 +222,29 @@ class DisaggregatedEngine:
             self._push(rid, exc)
         call_listeners(self.death_listeners, "death", exc)
 
-    # ---- requests (as AsyncEngine) -----------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> tuple[Request, asyncio.Queue]:
+    # ---- requests ---------------------------------------------------------------------
+    def make_request(self, spec: RequestSpec) -> Request:
+        return self._requests.make_request(spec.prompt, spec.params, spec.request_id, spec.priority,
+                                           spec.cache_salt)
+
+    def submit(self, request: Request) -> asyncio.Queue:
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        if params.structured is not None:
+        if request.sampling_params.structured is not None:
             raise ValueError("structured outputs are not supported with --disaggregate: the grammar's "
                              "state does not move with the KV")
-        req = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
-        rid = req.request_id
+        rid = request.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        self.router.add(req)  # raises, changing nothing, for an id still in use
+        self.router.add(request)  # raises, changing nothing, for an id still in use
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = stream
-        return req, stream
+        return stream
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
-        async for item in read_stream(stream, lambda: self.abort(req.request_id)):
-            yield item
+    def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        return stream_outputs(self, spec)
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -425,71 +357,32 @@ class DisaggregatedEngine:
                                f"{[str(w) for w in self.workers if w not in reports and w not in self.dead]}") from None
         finally:
             self._checks.pop(token, None)
-        return self._combine(reports)
+        return combine_reports(self, reports)
 
-    def _combine(self, reports: dict[m.WorkerId, dict]) -> dict:
-        problems = [f"{w}: {p}" for w, r in reports.items() for p in r["problems"]]
-        kv_keys = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "leaked_blocks")
-        kv = {k: sum(r["kv"][k] for r in reports.values()) for k in kv_keys}
-        kv["block_size"] = self.block_size
-        kv["free_plus_used_equals_total"] = all(r["kv"]["free_plus_used_equals_total"] for r in reports.values())
-        kv["owners"] = {f"{w}: {rid}": n for w, r in reports.items() for rid, n in r["kv"]["owners"].items()}
-        bad = [f"{w}: {r['kv']['consistency']}" for w, r in reports.items() if r["kv"]["consistency"] != "ok"]
-        kv["consistency"] = "ok" if not bad else "; ".join(bad)
-        req_keys = ("running", "waiting", "unfinished")
-        requests = {k: sum(r["requests"][k] for r in reports.values()) for k in req_keys}
-        router = self.router
-        requests["waiting"] += len(router.waiting)
-        for k in ("running_ids", "waiting_ids"):
-            requests[k] = [i for r in reports.values() for i in r["requests"][k]]
-        requests["waiting_ids"] += list(router.waiting)
-        idle = all(r["idle"] for r in reports.values()) and not router.routes and not self._streams
-        return {
-            "ok": not problems, "problems": problems, "idle": idle, "kv": kv, "requests": requests,
-            "detokenizers": sum(r["detokenizers"] for r in reports.values()),
-            "healthy": self.healthy, "error": None if self.error is None else repr(self.error),
-            "degraded": self.degraded, "streams": len(self._streams), "routes": len(router.routes),
-            "step_running_for_s": 0.0,
-            "workers": {str(w): {"pid": self.pids[w], "alive": w not in self.dead, **reports.get(w, {})}
-                        for w in self.workers},
-            "oldest_routes": [
-                {"id": rid, "stage": r.stage, "prefill": r.prefill, "decode": r.decode,
-                 "age_s": round(time.monotonic() - r.request.times.arrival, 1)}
-                for rid, r in sorted(router.routes.items(), key=lambda kv: kv[1].request.times.arrival)[:5]],
-            "placement": {
-                "prefill": [{"alive": p.alive, "pending": len(p.pending), "tokens": p.tokens}
-                            for p in router.placement.prefill],
-                "decode": [{"alive": d.alive, "free_blocks": d.free_blocks, "running": d.running,
-                            "promised": len(d.promised), "room": d.room} for d in router.placement.decode],
-            },
-        }
 
-    # ---- per-role metrics (a prometheus collector) ---------------------------------------
-    def collect(self):
-        labels = ["role", "index"]
+def _worker_config(config: EngineConfig, disagg: DisaggConfig) -> EngineConfig:
+    """``config`` checked for disaggregation, each worker's engine given its share of memory
+    (each would otherwise take the machine's free memory for itself)."""
+    disagg.validate()
+    config.validate()
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--disaggregate runs each worker on one rank (tensor_parallel_size 1)")
+    if config.scheduler.batching in REQUEST_LEVEL_BATCHING:
+        raise ValueError(f"--disaggregate needs iteration-level batching (iteration or orca), not "
+                         f"{config.scheduler.batching}: a decode worker admits each request as its KV comes")
+    if config.scheduler.speculative_method == "draft":
+        raise ValueError("--disaggregate does not move a draft model's cache: use ngram speculation or none")
+    workers = disagg.num_prefill + disagg.num_decode
+    return dataclasses.replace(config, cache=dataclasses.replace(
+        config.cache, kv_memory_share=config.cache.kv_memory_share / workers))
 
-        def family(kind, name: str, doc: str, value):
-            fam = kind(f"travelator_disagg_{name}", doc, labels=labels)
-            for w in self.workers:
-                s = self.stats.get(w)
-                fam.add_metric([w.role, str(w.index)], value(w, s))
-            return fam
 
-        yield family(GaugeMetricFamily, "worker_alive", "1 while the worker runs.",
-                     lambda w, s: 0.0 if w in self.dead else 1.0)
-        yield family(GaugeMetricFamily, "worker_running", "Requests in the worker's running batch.",
-                     lambda w, s: s.running if s else 0)
-        yield family(GaugeMetricFamily, "worker_waiting", "Requests waiting in the worker (hand-offs waiting "
-                     "for room included).", lambda w, s: (s.waiting + s.pending_handoffs) if s else 0)
-        yield family(GaugeMetricFamily, "worker_kv_cache_usage", "Share of the worker's KV blocks in use.",
-                     lambda w, s: s.used_blocks / s.total_blocks if s and s.total_blocks else 0.0)
-        yield family(CounterMetricFamily, "kv_transfers", "KV hand-offs sent (prefill) or received (decode).",
-                     lambda w, s: s.transfers if s else 0)
-        yield family(CounterMetricFamily, "kv_transfer_bytes", "Bytes of KV sent (prefill) or received (decode).",
-                     lambda w, s: s.transfer_bytes if s else 0)
-        yield family(CounterMetricFamily, "kv_transfer_seconds", "Seconds spent moving KV, from the first byte.",
-                     lambda w, s: s.transfer_seconds if s else 0.0)
-        waiting = GaugeMetricFamily("travelator_disagg_front_waiting",
-                                    "Requests the front end holds back until a decode worker has room.")
-        waiting.add_metric([], len(self.router.waiting))
-        yield waiting
+def _validation(config: EngineConfig, max_model_len: int) -> tuple[ServedModel, RequestFactory]:
+    """The served model's facts and a request factory, from its tokenizer alone: the front end
+    validates requests itself and loads no weights."""
+    source = open_model(config.model.model, config.model.load_format)
+    vocab_size = source.arch.vocab_size
+    grammars = GrammarCompiler(source.tokenizer, vocab_size)
+    eos = frozenset(source.tokenizer.eos_token_ids) | frozenset(source.arch.eos_token_ids)
+    requests = RequestFactory(source.tokenizer, vocab_size, max_model_len, eos, grammars)
+    return ServedModel(source.name, source.tokenizer, vocab_size, max_model_len, grammars), requests

@@ -1,5 +1,5 @@
 """Where each request of a disaggregated server is, and what the client gets: the front end's
-state machine, without processes or an event loop (``DisaggregatedEngine`` drives it; the
+state machine, without processes or an event loop (``DisaggregatedFrontEnd`` drives it; the
 tests drive it by hand).
 
 A request (``Route``) waits here until some decode worker has room for its KV (``Placement``:

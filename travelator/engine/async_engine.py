@@ -1,7 +1,8 @@
-"""The engine's step loop in a background thread, with one async stream per request.
+"""``AsyncEngine``: one ``LLMEngine`` behind the ``EngineClient`` seam (``client.py``), its
+step loop in a background thread, with one async stream per request.
 
 The HTTP side never waits on a step: it validates and tokenises a request on its own
-thread (``LLMEngine.make_request`` changes no engine state), hands it over through a
+thread (``make_request`` changes no engine state), hands it over through a
 command queue, and reads that request's outputs from an asyncio queue. The step
 thread owns the engine: only it adds, aborts and steps. torch releases the GIL in its
 kernels, so the event loop keeps serving while a step runs.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,17 +31,23 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from travelator.engine.client import (
+    DeathListener,
+    EngineDeadError,
+    EngineSnapshot,
+    LiveBatch,
+    RequestSpec,
+    ServedModel,
+    StepListener,
+    call_listeners,
+    stream_outputs,
+)
 from travelator.engine.engine import LLMEngine, StepStats
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request
 from travelator.engine.self_check import engine_self_check
-from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop has stopped; no request can be served."""
 
 
 @dataclass(slots=True)
@@ -71,13 +79,15 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._accepting = True
+        self.served_model = ServedModel(engine.model_name, engine.tokenizer, engine.arch.vocab_size,
+                                        engine.max_model_len, engine.grammars)
         # Called on the step thread after every step (metrics); must be quick and thread-safe.
-        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        self.step_listeners: list[StepListener] = []
         # Called on the step thread when the loop runs out of work (after its last step, or
         # after aborts that emptied it), once each time, before it waits for a command.
         self.idle_listeners: list[Callable[[], None]] = []
         # Called once on the step thread when the loop dies, with the exception; must be quick.
-        self.death_listeners: list[Callable[[BaseException], None]] = []
+        self.death_listeners: list[DeathListener] = []
         # Prometheus collectors of figures beyond the engine's own (none here).
         self.metric_collectors: tuple = ()
         # time.monotonic() when the step now running began; None between steps.
@@ -118,34 +128,32 @@ class AsyncEngine:
         self._accepting = False
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> tuple[Request, asyncio.Queue]:
-        """Validate (raising ValueError) and queue; returns the request and its output queue."""
+    def make_request(self, spec: RequestSpec) -> Request:
+        """Validate and tokenise (raising InvalidRequestError); changes no engine state."""
+        return self.engine.make_request(spec.prompt, spec.params, spec.request_id, spec.priority,
+                                        spec.cache_salt)
+
+    def submit(self, request: Request) -> asyncio.Queue:
+        """Queue a request from ``make_request``; returns its output queue."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        req = self.engine.make_request(prompt, params, request_id, priority, cache_salt)
-        if req.request_id in self._streams:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[req.request_id] = stream
-        self._commands.put(_Add(req))
+        self._streams[request.request_id] = stream
+        self._commands.put(_Add(request))
         if self.error is not None:
             # The loop died between the check above and now: it may have failed the streams
             # it saw before this one was registered, and nobody would ever answer this one.
-            self._streams.pop(req.request_id, None)
+            self._streams.pop(request.request_id, None)
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
-        return req, stream
+        return stream
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; abort it if the consumer goes away."""
-        req, stream = self.add_request(prompt, params, request_id, priority, cache_salt)
-        async for item in read_stream(stream, lambda: self.abort(req.request_id)):
-            yield item
+        return stream_outputs(self, spec)
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -154,6 +162,22 @@ class AsyncEngine:
     def abort_all(self) -> None:
         for rid in list(self._streams):
             self._commands.put(_Abort(rid))
+
+    # ---- reading engine state ----------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Plain reads of lengths and counts, safe from any thread (the step thread may move
+        them on meanwhile, as between two scrapes)."""
+        e, kv = self.engine, self.engine.kv
+        counters = dataclasses.replace(e.counters, finished=dict(e.counters.finished))
+        return EngineSnapshot(
+            num_running=e.num_running, num_waiting=e.num_waiting, num_in_flight=self.num_in_flight,
+            kv_total_blocks=kv.num_blocks, kv_used_blocks=kv.num_used_blocks,
+            kv_free_blocks=kv.num_free_blocks, kv_cached_blocks=kv.num_cached_blocks,
+            prefix_queried_tokens=kv.stats.queried_tokens, prefix_hit_tokens=kv.stats.hit_tokens,
+            counters=counters)
+
+    def live_batch(self) -> LiveBatch:
+        return LiveBatch(self.engine, self.step_listeners, self.idle_listeners)
 
     # ---- reading engine state safely ----------------------------------------------------
     def call_on_step_thread(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
@@ -305,36 +329,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is left to read it
             pass
-
-
-async def read_stream(stream: asyncio.Queue, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
-    """A request's outputs from its queue until it finishes; ``abort()`` if the reader leaves
-    first. A ValueError in the queue is raised as it is, any other exception as EngineDeadError.
-    (Shared by the step loop's engine and the disaggregated front end.)"""
-    finished = False
-    try:
-        while True:
-            item = await stream.get()
-            if isinstance(item, ValueError):
-                raise item
-            if isinstance(item, BaseException):
-                raise EngineDeadError(f"the engine has stopped: {item!r}")
-            yield item
-            if item.finished:
-                finished = True
-                return
-    finally:
-        if not finished:
-            abort()
-
-
-def call_listeners(listeners: list[Callable[..., None]], kind: str, *args: Any) -> None:
-    """Call each listener; one that raises is logged and the others still run."""
-    for listener in listeners:
-        try:
-            listener(*args)
-        except Exception:  # noqa: BLE001 - a listener's bug must not stop the engine
-            logger.exception("a %s listener failed", kind)
 
 
 def _run_call(fn: Callable[[LLMEngine], Any], engine: LLMEngine, fut: concurrent.futures.Future) -> None:

@@ -45,31 +45,11 @@ class RequestFactory:
         """
         params = params or SamplingParams()
         params.validate()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty", "prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
+        token_ids = self._prompt_token_ids(prompt)
         vocab = self.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens, but the context is {self.max_model_len} tokens "
-                f"and at least one must be left for the output", "prompt")
-        room = self.max_model_len - n
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ContextLengthError(
-                f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
-                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens",
-                "max_tokens")
+        max_tokens = self._max_tokens(len(token_ids), params)
         if params.structured is not None:
             # Compiled here, on the caller's thread, so the step finds it ready (a lookup
             # when the server compiled it already).
@@ -83,3 +63,32 @@ class RequestFactory:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        return token_ids
+
+    def _max_tokens(self, n: int, params: SamplingParams) -> int:
+        """The output's length limit: the one asked for, or all the room the context leaves."""
+        if n >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens, but the context is {self.max_model_len} tokens "
+                f"and at least one must be left for the output", "prompt")
+        room = self.max_model_len - n
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ContextLengthError(
+                f"the prompt has {n} tokens and max_tokens is {max_tokens}, together "
+                f"{n + max_tokens}, more than the context of {self.max_model_len} tokens",
+                "max_tokens")
+        return max_tokens

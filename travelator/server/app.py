@@ -1,7 +1,8 @@
-"""The FastAPI app: OpenAI-compatible endpoints over an AsyncEngine.
+"""The FastAPI app: OpenAI-compatible endpoints over an ``EngineClient`` (``engine/client.py``).
 
-``build_app(async_engine, settings)`` returns an ASGI app whose lifespan starts the engine's
-step loop on the serving event loop and stops it at shutdown. Routes:
+``build_app(client, settings)`` returns an ASGI app whose lifespan starts the engine on the
+serving event loop and stops it at shutdown. It knows no concrete engine: whoever builds the
+app (``travelator serve``, in ``cli.py``; the tests) chooses one. Routes:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not)
 - ``GET /v1/models``, ``GET /v1/models/{model}``
@@ -40,8 +41,7 @@ from starlette.requests import ClientDisconnect
 from travelator.dashboard.feed import StepFeed
 from travelator.dashboard.routes import dashboard_routes
 from travelator.dashboard.walkway import WalkwayRecorder
-from travelator.engine.async_engine import AsyncEngine
-from travelator.engine.engine import LLMEngine
+from travelator.engine.client import EngineClient
 from travelator.server.auth import bearer_matches
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
@@ -148,32 +148,31 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(client: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     settings.validate()
-    engine = async_engine.engine
-    names = list(settings.served_model_names) or [engine.model_name]
-    metrics = ServerMetrics(async_engine, names[0])
-    async_engine.step_listeners.append(metrics.on_step)
-    serving = OpenAIServing(async_engine, settings, metrics, names)
+    names = list(settings.served_model_names) or [client.served_model.name]
+    metrics = ServerMetrics(client, names[0])
+    client.step_listeners.append(metrics.on_step)
+    serving = OpenAIServing(client, settings, metrics, names)
     feed = StepFeed()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         serving.loop = asyncio.get_running_loop()
         feed.bind(serving.loop)
-        if not async_engine.healthy and async_engine.error is None:
-            async_engine.start()
-        logger.info("serving %s (context %d tokens)", ", ".join(names), engine.max_model_len)
+        if not client.healthy and client.error is None:
+            client.start()
+        logger.info("serving %s (context %d tokens)", ", ".join(names), client.served_model.max_model_len)
         try:
             yield
         finally:
             feed.close()
             serving.draining = True
-            async_engine.stop_accepting()
-            async_engine.abort_all()
+            client.stop_accepting()
+            client.abort_all()
             # A loop declared dead may still be stuck in its step: do not wait long for it.
-            await asyncio.to_thread(async_engine.stop, 10.0 if async_engine.error is None else 1.0)
+            await asyncio.to_thread(client.stop, 10.0 if client.error is None else 1.0)
 
     app = FastAPI(title="travelator", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.serving = serving
@@ -190,28 +189,28 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.include_router(_tokenizer_routes(serving, require_api_key))
     _add_operator_routes(app, serving, require_api_key)
     if settings.dashboard:
-        app.include_router(_dashboard(async_engine, settings, metrics, feed))
+        app.include_router(_dashboard(client, settings, metrics, feed))
         serving.on_shutdown.append(feed.close)  # its streams never end by themselves
-        async_engine.death_listeners.append(lambda exc: feed.close_soon())  # nor when the engine dies
+        client.death_listeners.append(lambda exc: feed.close_soon())  # nor when the engine dies
     return app
 
 
-def _dashboard(async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+def _dashboard(client: EngineClient, settings: ServerSettings, metrics: ServerMetrics,
                feed: StepFeed) -> APIRouter:
     """The live view: a recorder on the step thread publishes each step to ``feed``."""
-    engine = async_engine.engine
-    if not isinstance(engine, LLMEngine):  # the disaggregated front end: no batch of its own
+    batch = client.live_batch()
+    if batch is None:  # a disaggregated front end: no batch of its own
         return dashboard_routes(feed, {}, settings.api_key, unavailable=(
             "the live view shows one engine's batch; with --disaggregate each worker has its own "
             "(see /metrics for per-worker figures)"))
-    recorder = WalkwayRecorder(engine, show_prompts=settings.dashboard_show_prompts,
+    recorder = WalkwayRecorder(batch.engine, show_prompts=settings.dashboard_show_prompts,
                                rejected=lambda: metrics.num_rejected)
 
     def publish(stats, outputs) -> None:
         feed.publish(recorder.record(outputs))
 
-    async_engine.step_listeners.append(publish)
-    async_engine.idle_listeners.append(lambda: feed.publish(recorder.record([], idle=True)))
+    batch.step_listeners.append(publish)
+    batch.idle_listeners.append(lambda: feed.publish(recorder.record([], idle=True)))
     return dashboard_routes(feed, recorder.info(), settings.api_key)
 
 
@@ -235,7 +234,7 @@ def _tokenizer_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     async def tokenizer_info_route() -> Response:
         """The tokenizer's configuration (special tokens, chat template): what a client needs
         to use /tokenize and /detokenize as its tokenizer (lm-evaluation-harness does)."""
-        return JSONResponse(serving.tokenizer.hf_config(serving.engine.max_model_len))
+        return JSONResponse(serving.tokenizer.hf_config(serving.model.max_model_len))
 
     @router.get("/version")
     async def version_route() -> Response:
@@ -258,7 +257,7 @@ def _api_key_check(settings: ServerSettings):
 
 def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     """The OpenAI API: completions, chat completions, models."""
-    engine = serving.engine
+    model = serving.model
     limit = serving.settings.max_body_bytes
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
@@ -278,7 +277,7 @@ def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
         return await create_chat_completion(serving, req, request)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, root=model.name, max_model_len=model.max_model_len)
 
     @v1.get("/models")
     async def list_models() -> ModelList:
@@ -293,20 +292,20 @@ def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
 
 def _add_operator_routes(app: FastAPI, serving: OpenAIServing, require_api_key) -> None:
     """/health, /metrics and, when enabled, /debug/engine."""
-    async_engine, settings = serving.async_engine, serving.settings
+    client, settings = serving.client, serving.settings
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.healthy:
-            return APIError(503, f"the engine loop is not running: {async_engine.error!r}",
+        if not client.healthy:
+            return APIError(503, f"the engine loop is not running: {client.error!r}",
                             code="engine_dead").response()
-        running_for = async_engine.step_running_for()
+        running_for = client.step_running_for()
         if settings.step_timeout_s is not None and running_for > settings.step_timeout_s:
             return APIError(503, f"the engine is stuck: one step has run {running_for:.1f} s "
                                  f"(limit {settings.step_timeout_s} s)", code="engine_stuck").response()
         if serving.draining:
             return APIError(503, "the server is shutting down", code="shutting_down").response()
-        if (degraded := async_engine.degraded) is not None:  # still serving, with less
+        if (degraded := client.degraded) is not None:  # still serving, with less
             return JSONResponse({"status": "degraded", "detail": degraded})
         return JSONResponse({"status": "ok"})
 
@@ -315,7 +314,7 @@ def _add_operator_routes(app: FastAPI, serving: OpenAIServing, require_api_key) 
         async def debug_engine() -> Response:
             """The engine's self-check, read between two steps (see ``engine_self_check``)."""
             try:
-                report = await async_engine.self_check(timeout=30.0)
+                report = await client.self_check(timeout=30.0)
             except TimeoutError as exc:
                 raise APIError(503, str(exc), code="engine_busy") from None
             return JSONResponse(report)

@@ -10,39 +10,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from travelator.engine.async_engine import AsyncEngine, EngineDeadError
+from travelator.engine.client import EngineClient, EngineDeadError
 from travelator.engine.outputs import RequestOutput
-from travelator.sampling_params import SamplingParams
+from travelator.engine.request import Request
 from travelator.server.errors import APIError
 
 
-@dataclass(slots=True)
-class SubRequest:
-    token_ids: list[int]
-    params: SamplingParams  # n == 1
-
-
 class Generation:
-    def __init__(self, async_engine: AsyncEngine, base_id: str, subs: list[SubRequest],
-                 priority: int, cache_salt: str | None) -> None:
-        self.async_engine = async_engine
-        self.id = base_id  # the response's id; choice k's engine request is "<id>-<k>"
-        self.request_ids = [f"{base_id}-{i}" for i in range(len(subs))]
-        self._subs = subs
-        self._priority = priority
-        self._cache_salt = cache_salt
+    def __init__(self, client: EngineClient, base_id: str, requests: list[Request]) -> None:
+        """``requests``: validated by ``client.make_request``, choice k's id "<base_id>-<k>"."""
+        self.client = client
+        self.id = base_id  # the response's id
+        self.request_ids = [r.request_id for r in requests]
+        self._requests = requests
         self._queues: list[asyncio.Queue] = []
         self._getters: dict[asyncio.Future, int] = {}
         self.closed = False
 
     def start(self) -> None:
         try:
-            for rid, sub in zip(self.request_ids, self._subs):
-                _, queue = self.async_engine.add_request(sub.token_ids, sub.params, rid,
-                                                         self._priority, self._cache_salt)
-                self._queues.append(queue)
+            for request in self._requests:
+                self._queues.append(self.client.submit(request))
         except BaseException:
             self.close()
             raise
@@ -77,7 +66,7 @@ class Generation:
             fut.cancel()
         self._getters.clear()
         for rid in self.request_ids:
-            self.async_engine.abort(rid)
+            self.client.abort(rid)
 
 
 def _check(item) -> RequestOutput:

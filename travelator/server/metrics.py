@@ -1,10 +1,10 @@
 """Prometheus metrics of one server, in its own registry (no global state).
 
-Three sources:
+Two sources:
 
-- gauges read live at scrape time (running and waiting requests, KV blocks): reads only,
-  so they are right even when the engine is idle and no step reports anything;
-- counters read at scrape time from ``LLMEngine.counters``, which the step thread keeps;
+- the engine's figures, from one ``EngineSnapshot`` per scrape (``EngineClient.snapshot``):
+  gauges (running and waiting requests, KV blocks) and counters (tokens, steps, prefix
+  cache, finished requests), right even when the engine is idle and no step reports anything;
 - histograms fed by a step listener (batch size per step, tokens per step, step time,
   and per finished request: time to first token, time per output token, end-to-end
   latency, queue time).
@@ -12,12 +12,11 @@ Three sources:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from travelator.engine.async_engine import AsyncEngine
-from travelator.engine.engine import LLMEngine, StepStats
+from travelator.engine.client import EngineClient, EngineSnapshot, StepStats
 from travelator.engine.outputs import RequestOutput
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
@@ -30,82 +29,83 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 _POW2 = tuple(float(2**i) for i in range(14))
 
 
-class _EngineCounters:
-    """Exposes ``LLMEngine.counters`` as Prometheus counters, read at scrape time."""
+class _EngineFigures:
+    """The engine's gauges and counters, from one snapshot taken at scrape time."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        self.client = client
         self.model_name = model_name
 
+    def _family(self, kind, name: str, doc: str, value: float):
+        fam = kind(f"{_PREFIX}_{name}", doc, labels=["model_name"])
+        fam.add_metric([self.model_name], value)
+        return fam
+
     def collect(self):
-        c = self.engine.counters
-        labels = ["model_name"]
-        m = [self.model_name]
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            fam = CounterMetricFamily(f"{_PREFIX}_{name}", doc, labels=labels)
-            fam.add_metric(m, value)
-            return fam
-
-        yield counter("prompt_tokens", "Prompt tokens of admitted requests (each counted once).",
-                      c.prompt_tokens)
-        yield counter("computed_prompt_tokens",
-                      "Prompt tokens computed, recomputation after preemption included.",
-                      c.computed_prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", c.generation_tokens)
-        yield counter("num_preemptions", "Requests preempted (their KV blocks freed for recompute).",
-                      c.preemptions)
-        yield counter("engine_steps", "Engine steps run.", c.steps)
-        # Speculative decoding: acceptance rate = accepted / draft; mean accepted length
-        # = accepted / speculative_steps.
-        yield counter("spec_draft_tokens", "Draft tokens verified (speculative decoding).", c.draft_tokens)
-        yield counter("spec_accepted_tokens", "Draft tokens accepted.", c.accepted_draft_tokens)
-        yield counter("spec_steps", "Request-steps that verified drafts.", c.speculative_steps)
-        stats = self.engine.kv.stats
-        yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                      stats.queried_tokens)
-        yield counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
-                      stats.hit_tokens)
+        client, snap = self.client, self.client.snapshot()
+        yield from self._gauges(snap)
+        yield self._family(GaugeMetricFamily, "engine_healthy", "1 while the step loop runs, 0 once it has died.",
+                           1.0 if client.healthy else 0.0)
+        yield self._family(GaugeMetricFamily, "engine_step_running_seconds",
+                           "How long the step now running has run (0 between steps).", client.step_running_for())
+        yield from self._counters(snap)
         fam = CounterMetricFamily(f"{_PREFIX}_request_success", "Requests finished, by finish reason.",
                                   labels=["model_name", "finished_reason"])
-        finished = dict(c.finished)  # one C-level copy: the step thread may add a key meanwhile
+        finished = dict(snap.counters.finished)
         for reason in ("stop", "length", "abort", "error"):
             finished.setdefault(reason, 0)
         for reason, count in sorted(finished.items()):
             fam.add_metric([self.model_name, reason], count)
         yield fam
 
+    def _gauges(self, snap: EngineSnapshot):
+        gauge = GaugeMetricFamily
+        yield self._family(gauge, "num_requests_running", "Requests in the running batch.", snap.num_running)
+        yield self._family(gauge, "num_requests_waiting",
+                           "Requests waiting to be scheduled (preempted ones included).", snap.num_waiting)
+        yield self._family(gauge, "num_requests_in_flight",
+                           "Requests the server has handed to the engine and not seen finish.",
+                           snap.num_in_flight)
+        yield self._family(gauge, "kv_cache_usage", "Share of the KV cache blocks in use (0 to 1).",
+                           snap.kv_usage)
+        yield self._family(gauge, "kv_cache_used_blocks", "KV cache blocks in use.", snap.kv_used_blocks)
+        yield self._family(gauge, "kv_cache_total_blocks", "KV cache blocks in the pool.", snap.kv_total_blocks)
+        yield self._family(gauge, "kv_cache_free_blocks", "KV cache blocks free (counted apart from the used ones).",
+                           snap.kv_free_blocks)
+        yield self._family(gauge, "kv_cache_cached_blocks", "KV blocks holding a reusable prefix (in use or free).",
+                           snap.kv_cached_blocks)
+
+    def _counters(self, snap: EngineSnapshot):
+        c, counter = snap.counters, CounterMetricFamily
+        yield self._family(counter, "prompt_tokens", "Prompt tokens of admitted requests (each counted once).",
+                           c.prompt_tokens)
+        yield self._family(counter, "computed_prompt_tokens",
+                           "Prompt tokens computed, recomputation after preemption included.",
+                           c.computed_prompt_tokens)
+        yield self._family(counter, "generation_tokens", "Tokens generated.", c.generation_tokens)
+        yield self._family(counter, "num_preemptions",
+                           "Requests preempted (their KV blocks freed for recompute).", c.preemptions)
+        yield self._family(counter, "engine_steps", "Engine steps run.", c.steps)
+        # Speculative decoding: acceptance rate = accepted / draft; mean accepted length
+        # = accepted / speculative_steps.
+        yield self._family(counter, "spec_draft_tokens", "Draft tokens verified (speculative decoding).",
+                           c.draft_tokens)
+        yield self._family(counter, "spec_accepted_tokens", "Draft tokens accepted.", c.accepted_draft_tokens)
+        yield self._family(counter, "spec_steps", "Request-steps that verified drafts.", c.speculative_steps)
+        yield self._family(counter, "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                           snap.prefix_queried_tokens)
+        yield self._family(counter, "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
+                           snap.prefix_hit_tokens)
+
 
 class ServerMetrics:
-    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
-        engine = async_engine.engine
+    def __init__(self, client: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         name = model_name
         lbl = ["model_name"]
-
-        def gauge(metric: str, doc: str, fn) -> None:
-            Gauge(f"{_PREFIX}_{metric}", doc, lbl, registry=reg).labels(name).set_function(fn)
-
-        # Live reads (lengths of the scheduler's queues and of the free-block list).
-        gauge("num_requests_running", "Requests in the running batch.", lambda: engine.num_running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
-              lambda: engine.num_waiting)
-        gauge("num_requests_in_flight", "Requests the server has handed to the engine and not seen finish.",
-              lambda: async_engine.num_in_flight)
-        gauge("kv_cache_usage", "Share of the KV cache blocks in use (0 to 1).", lambda: engine.kv.usage)
-        gauge("kv_cache_used_blocks", "KV cache blocks in use.", lambda: engine.kv.num_used_blocks)
-        gauge("kv_cache_total_blocks", "KV cache blocks in the pool.", lambda: engine.kv.num_blocks)
-        gauge("kv_cache_free_blocks", "KV cache blocks free (counted apart from the used ones).",
-              lambda: engine.kv.num_free_blocks)
-        gauge("engine_healthy", "1 while the step loop runs, 0 once it has died.",
-              lambda: 1.0 if async_engine.healthy else 0.0)
-        gauge("engine_step_running_seconds", "How long the step now running has run (0 between steps).",
-              async_engine.step_running_for)
-        gauge("kv_cache_cached_blocks", "KV blocks holding a reusable prefix (in use or free).",
-              lambda: engine.kv.num_cached_blocks)
-        reg.register(_EngineCounters(engine, name))
-        for collector in async_engine.metric_collectors:
+        reg.register(_EngineFigures(client, name))
+        for collector in client.metric_collectors:
             reg.register(collector)
 
         self._batch_size = Histogram(f"{_PREFIX}_batch_size", "Requests scheduled per step.", lbl,

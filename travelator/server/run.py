@@ -41,22 +41,22 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
     )
     server = _Server(config)
     failed = threading.Event()
-    async_engine = serving.async_engine
+    client = serving.client
 
     def on_engine_death(exc: BaseException) -> None:  # on the step thread (or the watchdog's)
         logger.error("the engine's step loop has stopped (%r): shutting the server down", exc)
         failed.set()
         server.should_exit = True
 
-    async_engine.death_listeners.append(on_engine_death)
+    client.death_listeners.append(on_engine_death)
     done = threading.Event()
     step_timeout = app.state.settings.step_timeout_s
     if step_timeout is not None:
         def watch_steps() -> None:
             while not done.wait(min(1.0, step_timeout / 4)):
-                running_for = async_engine.step_running_for()
+                running_for = client.step_running_for()
                 if running_for > step_timeout:
-                    async_engine.declare_dead(TimeoutError(
+                    client.declare_dead(TimeoutError(
                         f"one step has run {running_for:.1f} s, more than step_timeout_s={step_timeout}"))
                     return
 
@@ -69,6 +69,6 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *,
         server.run()
     finally:
         done.set()
-    if failed.is_set() or async_engine.error is not None:
+    if failed.is_set() or client.error is not None:
         return 1
     return 0 if server.started else 1

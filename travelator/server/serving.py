@@ -2,9 +2,10 @@
 checks, starting a generation, usage, collecting a non-streamed answer, and shutdown.
 
 The endpoints themselves are in completions.py and chat.py. Everything here runs on the event
-loop thread and touches the engine only through ``AsyncEngine`` (adds and aborts go through its
-command queue) and through reads (``make_request`` validates and tokenises without changing
-engine state; queue lengths). A request's sub-requests are all validated before any is queued.
+loop thread and touches the engine only through its ``EngineClient`` (``engine/client.py``):
+``make_request`` validates and tokenises without changing engine state, ``submit`` queues what
+it made, and ``snapshot`` reads the queues. A request's sub-requests are all validated before
+any is queued, and the requests validated are the ones queued.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from typing import Any
 
 from fastapi import Request
 
-from travelator.engine.async_engine import AsyncEngine, EngineDeadError
+from travelator.engine.client import EngineClient, EngineDeadError, RequestSpec
 from travelator.engine.outputs import RequestOutput
+from travelator.engine.request import Request as EngineRequest
 from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.sampling_params import SamplingParams
 from travelator.server.constraints import ConstraintCompiler
 from travelator.server.errors import APIError
-from travelator.server.generation import Generation, SubRequest
+from travelator.server.generation import Generation
 from travelator.server.metrics import ServerMetrics
 from travelator.server.protocol import PromptTokensDetails, SamplingFields, Usage, random_id
 from travelator.server.settings import ServerSettings
@@ -55,18 +57,18 @@ def usage(prompts: list[EnginePrompt], finals: list[RequestOutput], n: int) -> U
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncEngine, settings: ServerSettings, metrics: ServerMetrics,
+    def __init__(self, client: EngineClient, settings: ServerSettings, metrics: ServerMetrics,
                  served_model_names: list[str]) -> None:
-        self.async_engine = async_engine
-        self.engine = async_engine.engine
-        self.tokenizer = self.engine.tokenizer
+        self.client = client
+        self.model = client.served_model
+        self.tokenizer = self.model.tokenizer
         self.settings = settings
         self.metrics = metrics
         self.served_model_names = served_model_names
         self.draining = False
         self.on_shutdown: list[Callable[[], None]] = []  # run (on the event loop) when draining begins
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.constraints = ConstraintCompiler(self.engine.grammars, settings.grammar_compile_timeout_s)
+        self.constraints = ConstraintCompiler(self.model.grammars, settings.grammar_compile_timeout_s)
         self.tool_call_format: ToolCallFormat = (
             detect_tool_call_format(self.tokenizer.chat_template) if settings.tool_call_parser == "auto"
             else settings.tool_call_parser)
@@ -88,11 +90,12 @@ class OpenAIServing:
             self.metrics.rejected("shutting_down")
             raise APIError(503, "the server is shutting down and accepts no new requests",
                            code="shutting_down")
-        if not self.async_engine.healthy:
+        if not self.client.healthy:
             self.metrics.rejected("engine_dead")
-            raise APIError(503, f"the engine has stopped: {self.async_engine.error!r}", code="engine_dead")
+            raise APIError(503, f"the engine has stopped: {self.client.error!r}", code="engine_dead")
         # In flight but not running = waiting (or just handed over and about to be scheduled).
-        waiting = max(0, self.async_engine.num_in_flight - self.engine.num_running)
+        snapshot = self.client.snapshot()
+        waiting = max(0, snapshot.num_in_flight - snapshot.num_running)
         limit = self.settings.max_waiting
         if limit is not None and waiting >= limit:
             self.metrics.rejected("queue_full")
@@ -128,10 +131,10 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
 
-    def _validate_prompt(self, ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+    def _make_request(self, spec: RequestSpec, prompt_param: str) -> EngineRequest:
         """``prompt_param``: where the client put the prompt ("prompt", or "messages")."""
         try:
-            self.engine.make_request(ids, params, request_id="validate")
+            return self.client.make_request(spec)
         except InvalidRequestError as exc:
             param = prompt_param if exc.param in (None, "prompt") else exc.param
             code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
@@ -146,11 +149,12 @@ class OpenAIServing:
         if len(prompts) * n > self.settings.max_choices_per_request:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than this server's limit of "
                                 f"{self.settings.max_choices_per_request} choices per request", param="n")
-        for p in prompts:
-            self._validate_prompt(p.token_ids, params.for_choice(0), prompt_param)
+        gen_id = random_id(id_prefix)
+        specs = [RequestSpec(p.token_ids, params.for_choice(j), f"{gen_id}-{i * n + j}", req.priority,
+                             req.cache_salt) for i, p in enumerate(prompts) for j in range(n)]
+        requests = [self._make_request(spec, prompt_param) for spec in specs]
         self._admit()
-        subs = [SubRequest(p.token_ids, params.for_choice(j)) for p in prompts for j in range(n)]
-        gen = Generation(self.async_engine, random_id(id_prefix), subs, req.priority, req.cache_salt)
+        gen = Generation(self.client, gen_id, requests)
         try:
             gen.start()
         except EngineDeadError as exc:
@@ -184,16 +188,16 @@ class OpenAIServing:
         if self.draining:
             return
         self.draining = True
-        self.async_engine.stop_accepting()
+        self.client.stop_accepting()
         for hook in self.on_shutdown:
             hook()
-        in_flight = self.async_engine.num_in_flight
+        in_flight = self.client.num_in_flight
         grace = self.settings.shutdown_grace_s
         logger.warning("shutting down: %d requests in flight get %.1f s to finish", in_flight, grace)
         if in_flight:
             asyncio.get_running_loop().call_later(grace, self._abort_in_flight)
 
     def _abort_in_flight(self) -> None:
-        if self.async_engine.num_in_flight:
-            logger.warning("grace period over: aborting %d requests", self.async_engine.num_in_flight)
-            self.async_engine.abort_all()
+        if self.client.num_in_flight:
+            logger.warning("grace period over: aborting %d requests", self.client.num_in_flight)
+            self.client.abort_all()

@@ -16,7 +16,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from travelator.engine.async_engine import EngineDeadError
+from travelator.engine.client import EngineDeadError
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 

@@ -72,13 +72,13 @@ def tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeCh
         text = req.prompt
     ids = tk.encode(text, add_special_tokens=req.add_special_tokens)
     strs = [tk.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len, tokens=ids,
+    return TokenizeResponse(count=len(ids), max_model_len=serving.model.max_model_len, tokens=ids,
                             token_strs=strs)
 
 
 def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> DetokenizeResponse:
     serving.resolve_model(req.model)
-    vocab = serving.engine.arch.vocab_size
+    vocab = serving.model.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
