@@ -102,8 +102,8 @@ class NativeLinear:
         self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI or AVX2
         self._quant_dequantize_built = hasattr(self._ops, "quant_dequantize_int8")  # AVX512-BW or AVX2
         # Past quant_kernel_rows rows a quantized layer is dequantized, DEQUANT_TILES tiles of
-        # output rows at a time, into this buffer (kept: a fresh one costs its page faults as
-        # much as the work; bounded: at most DEQUANT_TILES * 64 columns of the weight).
+        # output rows at a time, into this buffer (kept: a fresh one would cost its page faults
+        # at every call; bounded: at most DEQUANT_TILES * 64 columns of the weight).
         self._dequantized = torch.empty(0)
         if bf16_gemm is None:
             bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

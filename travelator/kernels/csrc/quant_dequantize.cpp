@@ -116,8 +116,8 @@ void dequantize_tiles(at::Tensor& out, int64_t n_tiles, int64_t steps, int64_t i
   });
 }
 
-// out: [K, N padded] (a buffer the caller keeps: a fresh one costs its page faults, as much
-// as the work itself here).
+// out: [K, N padded] (a buffer the caller keeps: a fresh one would cost its page faults at
+// every call).
 void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
   check_packed(packed, "quant_dequantize_int8");
   const int64_t n_tiles = packed.size(0), quads = packed.size(1);
