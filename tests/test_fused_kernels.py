@@ -216,7 +216,7 @@ def test_blocked_linear_against_float64(n, k, biased):
     passes up to 18 rows, 256-pair ones past) and an odd number of pairs (1030); rows dealt
     out unevenly (7: 4 + 3, 13: 5 + 4 + 4); at 1408, 151 rows are a tile of 138 and one of 13,
     three groups; a row's result never depends on the other rows."""
-    from travelator.model.ops import blocked_linear_weight
+    from travelator.model.native_linear import blocked_linear_weight
 
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
@@ -242,21 +242,24 @@ def test_native_linear_takes_blocked_linear_where_built(rows):
     """On these CPUs NativeOps lays bf16 weights with a multiple of 64 outputs out for
     blocked_linear (no oneDNN copy) and its linear() takes it at every row count (a few rows
     too: it streams them faster than small_m_linear), 3-D inputs too, and so does the native
-    layer stack (route 3); other weights keep oneDNN's packed copy."""
+    layer stack (the BLOCKED route); other weights keep oneDNN's packed copy."""
+    from travelator.model.linear_route import LinearRoute
+    from travelator.model.native_linear import blocked_linear_weight
     from travelator.model.ops import NativeOps
 
     g = torch.Generator().manual_seed(rows)
     w, odd = torch.randn(192, 96, generator=g).bfloat16(), torch.randn(200, 96, generator=g).bfloat16()
     native = NativeOps()
     native.prepare([w, odd])
-    assert set(native._blocked) == {w} and set(native._packed) == {odd}
+    assert native.linear_route(w) is LinearRoute.BLOCKED and native.linear_route(odd) is LinearRoute.ONEDNN_BF16
     x = torch.randn(rows, 96, generator=g).bfloat16()
     ref = x.double() @ w.double().T
     y = native.linear(x, w)
     torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    assert torch.equal(y, ops.blocked_linear(x, native._blocked[w], None))
+    assert torch.equal(y, ops.blocked_linear(x, blocked_linear_weight(w), None))
     assert torch.equal(native.linear(x.view(1, rows, 96), w), y.view(1, rows, 192))
-    assert native.streaming_linear(w, None).route == 3 and native.streaming_linear(odd, None).route == 0
+    assert native.streaming_linear(w, None).route is LinearRoute.BLOCKED
+    assert native.streaming_linear(odd, None).route is LinearRoute.ONEDNN_BF16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -288,6 +291,7 @@ def test_token_bitmask_against_a_plain_loop(dtype):
 def test_native_bf16_linear_against_float64(bf16_gemm, rows, biased):
     """NativeOps.linear on bf16 weights, by both routes: oneDNN's bf16 GEMM, and the float32
     copies AVX2 machines take (forced here, so that every CPU tests that route too)."""
+    from travelator.model.linear_route import LinearRoute
     from travelator.model.ops import NativeOps
 
     if bf16_gemm and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -298,6 +302,7 @@ def test_native_bf16_linear_against_float64(bf16_gemm, rows, biased):
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     native = NativeOps(bf16_gemm=bf16_gemm)
     native.prepare([w])
+    assert native.linear_route(w) is (LinearRoute.ONEDNN_BF16 if bf16_gemm else LinearRoute.ONEDNN_FLOAT32)
     ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
     for _ in range(2):  # the second call reuses what the first made (the widened bias)
         y = native.linear(x, w, bias)

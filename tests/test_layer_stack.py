@@ -14,6 +14,7 @@ from hf_models import build_checkpoint
 
 from travelator import LLM, SamplingParams, kernels
 from travelator.model.layer_stack import LayerStack
+from travelator.model.linear_route import LinearRoute
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
 
@@ -58,8 +59,8 @@ def test_the_layer_stack_gives_the_python_layers_bits(dtype, quantization, kv):
     assert none == 0 and used > 0
     assert stacked == python
     if quantization == "none" and hasattr(torch.ops.travelator, "blocked_linear"):
-        # AVX512-BF16 without AMX: tiny's bf16 layers go through blocked_linear (route 3).
-        assert set(LayerStack.of(llm.engine.runner.model).linear_ints[0::3]) == {3}
+        # AVX512-BF16 without AMX: tiny's bf16 layers go through blocked_linear.
+        assert set(LayerStack.of(llm.engine.runner.model).linear_ints[0::3]) == {LinearRoute.BLOCKED}
 
 
 @pytest.mark.parametrize("quantization", ["int8", "none"])

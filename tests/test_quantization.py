@@ -427,7 +427,7 @@ def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart
     """NaN in x comes out as NaN (in its own row only); a bias is added; 3-D x and 0 rows;
     float16 goes through torch; the dequantizing path (past quant_kernel_rows) in several column
     blocks of a kept buffer, used by layers of other sizes and dtypes in between."""
-    from travelator.model.ops import DEQUANT_TILES
+    from travelator.model.native_linear import DEQUANT_TILES
 
     ops = _native_ops()
     g = torch.Generator().manual_seed(9)

@@ -7,8 +7,8 @@ Two backends read the same metadata:
   through the block tables (travelator/kernels/csrc/paged_attention.cpp). Each query row
   is reduced over its keys in chunks of a fixed number of absolute positions, with the same
   code whatever else is in the step, so a request's numbers do not depend on its batch. Outside batch-invariant
-  mode, bf16 prefill tiles take a tiled kernel instead (query rows in vector lanes, 10-15%
-  faster on long prompts here), whose numbers depend on how the prompt was chunked.
+  mode, bf16 prefill tiles take a tiled kernel instead (query rows in vector lanes,
+  faster on long prompts), whose numbers depend on how the prompt was chunked.
 - ``torch``: the fallback for machines without a compiler. The flat batch is ordered
   decodes first; their blocks are gathered into a padded [B, L] key range with a length
   mask, one SDPA call for the lot. Each prefill chunk gets its own SDPA call with a

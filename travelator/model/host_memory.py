@@ -4,9 +4,9 @@ glibc's malloc gives large blocks back to the kernel as soon as they are freed: 
 its mmap threshold (128 KiB at first, raised up to 32 MiB as such blocks are freed) is
 unmapped, the main heap's free top is trimmed once it passes the trim threshold, and a
 thread's own arena unmaps its sub-heaps when they empty. A step allocates and frees its
-activations anew each time (a 2,048-token prefill of the 250M model makes a 23 MB gate/up
-output), so the next step would touch fresh pages again: 230,000 to 850,000 page faults in one
-run of workload W at 250M, a tenth of its time on a 2-core VM (docs/benchmarks.md). With
+activations anew each time (a long prefill's gate/up output alone is tens of megabytes), so
+the next step would touch fresh pages again, and the page faults take a noticeable share of a
+run's time (docs/benchmarks.md). With
 blocks of up to 1 GiB taken from the heap, the heap trimmed only past 2 GiB of free top, and
 every thread on the main heap (the server steps on its own thread), the pages of one step are
 there for the next.

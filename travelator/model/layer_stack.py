@@ -1,12 +1,11 @@
 """Every decoder layer of a step in one native call, where every linear layer streams.
 
-A step of a few rows (a decode of one or a few requests) spends a fifth of its time, on a
-2-core CPU, in Python between the kernels: ~100 us per layer of module calls, views and
-``torch.ops`` argument parsing. ``csrc/layer_stack.cpp`` runs the same kernels in the same
+A step of a few rows (a decode of one or a few requests) spends a large share of its time
+in Python between the kernels: module calls, views and ``torch.ops`` argument parsing. ``csrc/layer_stack.cpp`` runs the same kernels in the same
 order from C++ (the same bits as the Python layers, which tests check), for steps where the
 Python path would send every linear layer to a streaming kernel: bf16 weights through
 ``small_m_linear`` (no bias) or ``blocked_linear``, int8/int4 through the integer kernel, at most
-``NativeOps.streaming_rows`` rows. Anything else (more rows, tensor parallelism, the torch
+``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py). Anything else (more rows, tensor parallelism, the torch
 kernels, attention's torch backend, a KV cache of another dtype) runs the Python layers.
 """
 
@@ -63,7 +62,7 @@ class LayerStack:
                 if spec is None or (not spec.quantized and model.dtype != torch.bfloat16):
                     return None
                 tensors += [spec.a, spec.b, spec.bias]
-                ints += [spec.route, spec.group, spec.out_features]
+                ints += [int(spec.route), spec.group, spec.out_features]
                 kinds.add(spec.quantized)
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn

@@ -189,9 +189,7 @@ class LlamaModel(nn.Module):
         Every parameter must be written exactly once; a missing or unexpected
         tensor is an error, so a truncated or foreign checkpoint never runs.
         """
-        rank, size = self.tp_rank, self.tp_size
         params = dict(self.named_parameters())
-        expected = set(params)
         written: set[str] = set()
         parts_written: dict[str, int] = {}
         builders: dict[str, QuantizedBuilder] = {}  # quantized weights being filled
@@ -203,44 +201,56 @@ class LlamaModel(nn.Module):
             target, part = mapped
             if target not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            shard = self.shards[target]
-            full_shape = self.full_shapes[target]
-            dest = params[target].data
             earlier_parts = parts_written.get(target, 0)
             if part is not None:
-                full_shape = shard.part_shape(full_shape, part)
-                lo = shard.local_offset(part, size)
-                dest = dest.narrow(shard.dim, lo, shard.piece(part, size))
                 parts_written[target] = earlier_parts + 1
-            if tuple(tensor.shape) != tuple(full_shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
-                )
-            builder = builders.get(target)
-            if builder is None:  # the first of its tensors (or all so far went in as float)
-                local_shape = tuple(params[target].shape)
-                fmt = self.quant_policy.for_checkpoint(target, tensor, local_shape, earlier_parts)
-                if fmt is not None:
-                    builder = builders[target] = QuantizedBuilder(local_shape, fmt.method, fmt.group_size)
-            if isinstance(tensor, BlockQuantized) and builder is None:
-                tensor = tensor.dequantize()
-            row0 = shard.local_offset(part, size) if part is not None else 0
-            # A whole fused tensor (Phi-3's qkv_proj) is cut part by part; a part as it is.
-            local = (lambda t: shard.shard(t, rank, size)) if part is None else (
-                lambda t: shard.take(t, part, rank, size))
-            if builder is None:
-                dest.copy_(local(tensor))
-            elif isinstance(tensor, BlockQuantized):
-                builder.write_blocks(row0, tensor)  # one rank: no shard to cut
-            else:
-                builder.write_rows(row0, local(tensor))
-            if part is None or parts_written[target] == len(shard.parts):
+            self._load_tensor(name, tensor, target, part, params[target], earlier_parts, builders)
+            if part is None or parts_written[target] == len(self.shards[target].parts):
                 written.add(target)
                 if target in builders:
                     self._install(target, builders.pop(target).finish())
-        missing = expected - written
+        missing = set(params) - written
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+
+    def _load_tensor(self, name: str, tensor: torch.Tensor | BlockQuantized, target: str, part: int | None,
+                     param: torch.Tensor, earlier_parts: int, builders: dict[str, QuantizedBuilder]) -> None:
+        """One checkpoint tensor (a whole weight, or part ``part`` of a fused one) into this
+        rank's shard of its parameter, or into the builder of its quantized weight."""
+        size = self.tp_size
+        shard = self.shards[target]
+        full_shape = self.full_shapes[target]
+        dest = param.data
+        if part is not None:
+            full_shape = shard.part_shape(full_shape, part)
+            dest = dest.narrow(shard.dim, shard.local_offset(part, size), shard.piece(part, size))
+        if tuple(tensor.shape) != tuple(full_shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
+            )
+        builder = builders.get(target)
+        if builder is None:  # the first of its tensors (or all so far went in as float)
+            local_shape = tuple(param.shape)
+            fmt = self.quant_policy.for_checkpoint(target, tensor, local_shape, earlier_parts)
+            if fmt is not None:
+                builder = builders[target] = QuantizedBuilder(local_shape, fmt.method, fmt.group_size)
+        if isinstance(tensor, BlockQuantized) and builder is None:
+            tensor = tensor.dequantize()
+        row0 = shard.local_offset(part, size) if part is not None else 0
+        if builder is None:
+            dest.copy_(self._rank_piece(tensor, target, part))
+        elif isinstance(tensor, BlockQuantized):
+            builder.write_blocks(row0, tensor)  # one rank: no shard to cut
+        else:
+            builder.write_rows(row0, self._rank_piece(tensor, target, part))
+
+    def _rank_piece(self, tensor: torch.Tensor, target: str, part: int | None) -> torch.Tensor:
+        """This rank's piece of a checkpoint tensor: a whole fused tensor (Phi-3's qkv_proj) is
+        cut part by part; a part as it is."""
+        shard = self.shards[target]
+        if part is None:
+            return shard.shard(tensor, self.tp_rank, self.tp_size)
+        return shard.take(tensor, part, self.tp_rank, self.tp_size)
 
     def _checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """(our parameter, index of the fused part) of an HF tensor name, or None for a tensor

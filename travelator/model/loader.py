@@ -146,11 +146,20 @@ def _open_gguf(path: Path) -> ModelSource:
         return field(f"{name}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
+    tokenizer = Tokenizer.from_gguf(reader)
+    arch = _gguf_arch(family, arch_field, tensors, tokenizer)
+    all_f32 = all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors)
+    dtype = "float32" if all_f32 else None
+    return ModelSource(str(path), arch, tokenizer, lambda: _iter_gguf(reader, arch), dtype)
+
+
+def _gguf_arch(family: str, arch_field, tensors: dict, tokenizer: Tokenizer) -> ModelArch:
+    """The model's shape from its GGUF metadata (``arch_field``: a key under the architecture's
+    name), its tensor names and its tokenizer's special ids."""
     n_heads = int(arch_field("attention.head_count"))
     hidden = int(arch_field("embedding_length"))
     head_dim = int(arch_field("attention.key_length", hidden // n_heads))
     rotary = arch_field("rope.dimension_count")
-    tokenizer = Tokenizer.from_gguf(reader)
     fields = dict(
         family=family,
         vocab_size=int(arch_field("vocab_size", tokenizer.vocab_size)),
@@ -175,10 +184,7 @@ def _open_gguf(path: Path) -> ModelSource:
         fields |= _gguf_phi3(arch_field, tensors)
     elif family == "gemma3":
         fields |= _gguf_gemma3(arch_field, fields)
-    arch = ModelArch(**fields)
-    all_f32 = all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors)
-    dtype = "float32" if all_f32 else None
-    return ModelSource(str(path), arch, tokenizer, lambda: _iter_gguf(reader, arch), dtype)
+    return ModelArch(**fields)
 
 
 def _gguf_phi3(arch_field, tensors) -> dict:
@@ -250,6 +256,23 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# GGUF names of the tensors outside the blocks, and their HF names.
+_GGUF_TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+
+
+def _gguf_float_name(gguf_name: str, names: dict[str, str]) -> str:
+    """The HF name of a GGUF tensor loaded as floats (``names``: block tensor names)."""
+    if gguf_name in _GGUF_TOP_LEVEL:
+        return _GGUF_TOP_LEVEL[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("GGUF files with rope_freqs tensors are not supported")
+    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file")
+
+
 def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
     """The file's tensors under HF names, as float32 tensors; a linear layer's Q8_0, Q6_K,
     Q4_0, Q4_1 or Q4_K tensor as its blocks (``BlockQuantized``), for the model to keep
@@ -289,22 +312,9 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
                                "Q4_1 and Q4_K stay quantized", t.tensor_type.name, t.name)
             data = gguf.quants.dequantize(data, t.tensor_type)
         arr = np.asarray(data, dtype=np.float32).reshape(shape)
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in names:
-            name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
-            if permuted and parts[2] == "attn_q":
-                arr = _unpermute_rope(arr, arch.num_heads)
-            elif permuted and parts[2] == "attn_k":
-                arr = _unpermute_rope(arr, arch.num_kv_heads)
-        elif t.name == "rope_freqs.weight":
-            raise ValueError("GGUF files with rope_freqs tensors are not supported")
-        else:
-            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+        name = _gguf_float_name(t.name, names)
+        if permuted and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            arr = _unpermute_rope(arr, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
         if norm_offset and t.name.endswith("norm.weight"):
             arr = arr - norm_offset
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # copy out of the mmap

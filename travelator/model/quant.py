@@ -35,11 +35,11 @@ QuantMethod = Literal["int8", "int4"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 TILE_ROWS = 64  # output rows of one tile of the packed layouts
 INT8_K_BLOCK = 128  # int8 inputs are padded to a multiple of this (the kernel's blocks of x)
-QUANT_KERNEL_ROWS = 32  # up to this many rows of x the native kernel beats dequantizing (see ops.py)
+QUANT_KERNEL_ROWS = 32  # up to this many rows of x the native kernel beats dequantizing (see native_linear.py)
 # The same where the dequantized columns are multiplied in float32 (CPUs without a bf16 GEMM:
-# AVX2): on a 2-core EPYC the kernel was ahead up to 512-1024 rows (docs/benchmarks.md), but it
-# parallelises over tiles of 64 output rows only, so 256 leaves room for machines with more
-# cores than a 1024-row layer has tiles.
+# AVX2): the kernel stays ahead to far more rows there (docs/benchmarks.md), but it
+# parallelises over tiles of 64 output rows only, so the limit leaves room for machines with
+# more cores than a 1024-row layer has tiles.
 QUANT_KERNEL_ROWS_FLOAT32_GEMM = 256
 
 
@@ -128,6 +128,15 @@ class Int4Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x of any leading shape through the dequantized weight (plain torch), plus the bias."""
+    shape = x.shape
+    out = weight.linear(x.reshape(-1, shape[-1]).contiguous())
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def int4_shape_ok(out_features: int, in_features: int, group_size: int) -> bool:

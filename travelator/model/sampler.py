@@ -49,7 +49,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     generators make the noise (a different stream: seeded outputs are reproducible per
     kernel set)."""
     params = batch.params
-    b, vocab = logits.shape
     want_logprobs = any(p.logprobs is not None for p in params)
     all_greedy = all(p.greedy for p in params)
     if (want_logprobs or not all_greedy or any(p.uses_penalties for p in params)
@@ -62,29 +61,43 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if any(p.min_tokens for p in params):
         logits = _block_eos_before_min_tokens(logits, batch)
 
-    dev = logits.device
     if all_greedy:  # decided in Python: a tensor of flags and its .all() cost more than the argmax
         token_ids = argmax(logits)
     else:
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
-        scaled = logits / temps.unsqueeze(1)
-        scaled = _apply_top_k_top_p_min_p(scaled, params)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
-        if race is not None:
-            sampled = race(scaled.contiguous(), _row_seeds(params, batch.output_token_ids).to(dev))
-        else:
-            probs = torch.softmax(scaled, dim=-1)
-            noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
-            sampled = argmax(probs / noise)
-        token_ids = torch.where(greedy, argmax(logits), sampled)
-
+        token_ids = _draw(logits, batch, argmax, race)
     ids = token_ids.tolist()
     if not want_logprobs:
         return SamplerOutput(ids, None, None)
+    return _with_logprobs(ids, token_ids, raw_logprobs, params)
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.Tensor], torch.Tensor],
+          race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """Each row's token: greedy rows their argmax, the others a draw from their filtered,
+    temperature-scaled distribution."""
+    params = batch.params
+    b, vocab = logits.shape
+    dev = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    scaled = logits / temps.unsqueeze(1)
+    scaled = _apply_top_k_top_p_min_p(scaled, params)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+    if race is not None:
+        sampled = race(scaled.contiguous(), _row_seeds(params, batch.output_token_ids).to(dev))
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+        noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
+        sampled = argmax(probs / noise)
+    return torch.where(greedy, argmax(logits), sampled)
+
+
+def _with_logprobs(ids: list[int], token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
+                   params: list[SamplingParams]) -> SamplerOutput:
+    """The picks with their logprobs and each row's top ``logprobs`` alternatives."""
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     k = max(p.logprobs or 0 for p in params)
-    tops: list[dict[int, float]] = [{} for _ in range(b)]
+    tops: list[dict[int, float]] = [{} for _ in range(len(params))]
     if k:
         vals, idx = raw_logprobs.topk(k, dim=-1)
         vals, idx = vals.tolist(), idx.tolist()

@@ -1,5 +1,4 @@
-// y = x W^T (+ bias) in bf16 with float32 sums, on CPUs with AVX512-BF16 and no AMX (AMD
-// Zen 4/5, Intel Cooper Lake), with W laid out once at load as [N / 64][K / 2][64][2]: for
+// y = x W^T (+ bias) in bf16 with float32 sums, on CPUs with AVX512-BF16 and no AMX, with W laid out once at load as [N / 64][K / 2][64][2]: for
 // each 64 output columns, every pair of k in order, the 64 columns' two weights side by
 // side. One 512-bit load is then 16 columns' pair, the operand vdpbf16ps wants, and a
 // block of 64 columns is one front-to-back stream of memory.
@@ -10,10 +9,9 @@
 // tile of up to three groups of rows; 64 KB, kept in L2, past that), every group of rows
 // passing over it, and while a slice is computed the next one is asked for into L2: a
 // decode step's few rows then compute while the weights stream in, where without it the
-// two took turns. On a 2-core Zen 5, against oneDNN's packed bf16 GEMM: 1.0-1.7x over a
-// decode step's weights streamed from memory at 1-64 rows, 1.0-2.2x with the weights in
-// cache, 0.9-1.0x past 512 rows (docs/benchmarks.md). oneDNN's AMX GEMM is far faster on
-// CPUs that have AMX: there this kernel is not built.
+// two took turns. It beats oneDNN's packed bf16 GEMM at a decode step's rows and keeps up
+// with it on long prefills (docs/benchmarks.md). oneDNN's AMX GEMM is faster on CPUs that
+// have AMX: there this kernel is not built.
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -39,8 +37,8 @@ constexpr int64_t kRows = 6;   // rows of x a micro-kernel call takes: 24 accumu
 constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes (64 KB of a block), past kFewGroups groups
 // With at most kFewGroups groups of rows, a pass takes kFewGroupPairs pairs (16 KB), which
 // stays in L1 while the groups after the first pass over it (12 rows, 6 + 6, where only the
-// slice changed: 1.12x over a 50M step's weights). More groups amortise their accumulators'
-// loads and stores better over the longer pass (1-4% at 24-64 rows).
+// slice changed). More groups amortise their accumulators' loads and stores better over the
+// longer pass.
 constexpr int64_t kFewGroups = 3;
 constexpr int64_t kFewGroupPairs = 64;
 constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
@@ -148,7 +146,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(travelator, m) {
-  // x [M, K] bf16, w from blocked_linear_weight (model/ops.py), bias [N] or None.
+  // x [M, K] bf16, w from blocked_linear_weight (model/native_linear.py), bias [N] or None.
   m.def("blocked_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.impl("blocked_linear", c10::DispatchKey::CPU, &blocked_linear);
 }

@@ -1,16 +1,14 @@
 // Every decoder layer of one step in one call (travelator/model/layer_stack.py): the kernels
 // the Python layers call (model/llama.py), in the same order, on the same tensors, with the
 // same arguments, so the result is the same bits; only the trips back to Python between
-// them are gone. A step of a few rows of x spends ~100 us per layer there, on this 2-core
-// CPU: a fifth of a batch-1 int4 step of the 250M model.
+// them are gone, which weigh most in a step of a few rows of x.
 //
 // Only for steps whose every linear layer takes a streaming kernel (small_m_linear or
 // blocked_linear for bf16 weights, quant_linear_int8/int4 for quantized ones); the Python
 // side checks that, and runs the layers itself otherwise. Each linear layer is three entries
-// of `linear_tensors` (a, b, bias) and of `linear_ints` (route, group, N):
-//   route 0: bf16 weight a, small_m_linear (no bias: the Python layer takes the GEMM then)
-//   route 1: int8, a packed, b scales; route 2: int4, a packed, b scales_zeros, group
-//   route 3: bf16 weight a laid out for blocked_linear (bias or not)
+// of `linear_tensors` (a, b, bias) and of `linear_ints` (route, group, N), its route one of
+// linear_route.h's: the oneDNN routes stream bf16 weight a through small_m_linear (no bias:
+// the Python layer takes the GEMM then), the others as that header says.
 // Layer l's linear layers are 4 l .. 4 l + 3: QKV, output, gate/up, down; its norms are
 // norms[2 l] (input) and norms[2 l + 1] (after attention), and the last norm the model's;
 // head_norms is empty, or (Qwen3) per layer the query and the key head norms, 2 l and 2 l + 1.
@@ -22,6 +20,8 @@
 #include <torch/library.h>
 
 #include <optional>
+
+#include "linear_route.h"
 
 namespace {
 
@@ -46,7 +46,7 @@ using Int8 = T(const T&, const T&, const T&, int64_t);
 using Int4 = T(const T&, const T&, const T&, int64_t, int64_t);
 
 // The engine's kernels, looked up once per call (a hash lookup each) and called without the
-// Python argument parsing of a torch.ops call (~3.5 us each here).
+// Python argument parsing of a torch.ops call.
 struct Kernels {
   c10::TypedOperatorHandle<T(const T&, const T&, double)> rms_norm = kernel<T(const T&, const T&, double)>("travelator::rms_norm");
   c10::TypedOperatorHandle<T(T&, const T&, const T&, double)> add_rms_norm =
@@ -66,32 +66,32 @@ struct Kernels {
   std::optional<c10::TypedOperatorHandle<Int4>> int4 = kernel_if_built<Int4>("travelator::quant_linear_int4");
 };
 
-enum Route : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kBlocked = 3 };
-
 // y = x W^T (+ bias) for linear layer i, as ops.NativeOps.linear computes it.
 T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c10::IntArrayRef ints, int64_t i, const T& x) {
   const std::optional<T> a = tensors.get(3 * i), b = tensors.get(3 * i + 1), bias = tensors.get(3 * i + 2);
-  const int64_t route = ints[3 * i], group = ints[3 * i + 1], n = ints[3 * i + 2];
-  TORCH_CHECK(a.has_value() && (route == kBf16 || route == kBlocked || b.has_value()),
-              "decoder_layers: linear layer ", i, " lacks a tensor");
+  const auto route = static_cast<LinearRoute>(ints[3 * i]);
+  const int64_t group = ints[3 * i + 1], n = ints[3 * i + 2];
+  const bool quantized = route == LinearRoute::kInt8 || route == LinearRoute::kInt4;
+  TORCH_CHECK(a.has_value() && (!quantized || b.has_value()), "decoder_layers: linear layer ", i, " lacks a tensor");
   T y;
   switch (route) {
-    case kBf16:
+    case LinearRoute::kOnednnBf16:
+    case LinearRoute::kOnednnFloat32:
       TORCH_CHECK(k.small_m.has_value() && !bias.has_value(), "decoder_layers: no streaming kernel for layer ", i);
       return k.small_m->call(x.contiguous(), *a);
-    case kBlocked:
+    case LinearRoute::kBlocked:
       TORCH_CHECK(k.blocked.has_value(), "decoder_layers: this build has no blocked_linear");
       return k.blocked->call(x.contiguous(), *a, bias);
-    case kInt8:
+    case LinearRoute::kInt8:
       TORCH_CHECK(k.int8.has_value(), "decoder_layers: this build has no int8 kernel");
       y = k.int8->call(x.contiguous(), *a, *b, n);
       break;
-    case kInt4:
+    case LinearRoute::kInt4:
       TORCH_CHECK(k.int4.has_value(), "decoder_layers: this build has no int4 kernel");
       y = k.int4->call(x.contiguous(), *a, *b, group, n);
       break;
     default:
-      TORCH_CHECK(false, "decoder_layers: unknown route ", route);
+      TORCH_CHECK(false, "decoder_layers: unknown route ", ints[3 * i]);
   }
   return bias.has_value() ? y + *bias : y;
 }

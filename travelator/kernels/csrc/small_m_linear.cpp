@@ -1,10 +1,9 @@
 // y = x W^T for a few rows of x (a decode step of one to a few requests), bf16 weights
 // in their natural [N, K] layout. At these sizes the step only streams the weights, and
-// the GEMM libraries read them well below the machine's bandwidth (oneDNN's blocked GEMM
-// at about 75% on AVX512-BF16 machines; on AVX2 machines, which have no bf16 GEMM, torch's
-// float32 GEMM over widened weights at about 40%). Reading each weight row front to back,
-// a few rows at a time, with the next rows prefetched, runs closer to the bandwidth of a sum
-// (about 90% of it on AVX512-BF16, 65-80% on AVX2).
+// the GEMM libraries read them well below the machine's bandwidth (oneDNN's blocked GEMM on
+// AVX512-BF16 machines; on AVX2 machines, which have no bf16 GEMM, torch's float32 GEMM over
+// widened weights). Reading each weight row front to back, a few rows at a time, with the
+// next rows prefetched, runs closer to the bandwidth of a sum (docs/benchmarks.md).
 //
 // Two builds of the same loop:
 // - AVX512-BF16: 32 lanes a step, vdpbf16ps (bf16 pairs into float32 sums); up to 2 rows
@@ -51,8 +50,8 @@ void tile(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int6
   for (int64_t m = 0; m < M; ++m)
     for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   // The next tile's weight rows, kAhead rows on: the hardware prefetcher alone keeps too
-  // few lines in flight for four interleaved rows (15.6 -> 19-20 GB/s here). Past the last
-  // row the addresses run beyond the weight, which a prefetch may do: it never faults.
+  // few lines in flight for four interleaved rows. Past the last row the addresses run
+  // beyond the weight, which a prefetch may do: it never faults.
   const char* ahead = reinterpret_cast<const char*>(w + std::min(n0 + kAhead, N - 1) * K);
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh wv[R];

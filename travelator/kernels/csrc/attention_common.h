@@ -1,0 +1,50 @@
+// What every path of paged_attention.cpp shares: the work items, the layout of a cache row,
+// and where a sliding window starts.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace travelator::attention {
+
+constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
+// Keys a chunk of the portable and AVX2 paths takes: independent of the block size, for
+// batch invariance.
+constexpr int64_t kRowKeyChunk = 32;
+
+// A cache row is one head's vector of one token: head_dim values, or for an int8 cache
+// head_dim codes and then their float32 scale (model/kv_cache.py).
+template <typename cache_t>
+constexpr int64_t row_width(int64_t head_dim) {
+  return std::is_same_v<cache_t, int8_t> ? head_dim + 4 : head_dim;
+}
+
+// The factor a row's stored values are multiplied by: its scale for int8, else 1.
+template <typename cache_t>
+inline float row_scale(const cache_t* row, int64_t head_dim) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return scale;
+  } else {
+    (void)row, (void)head_dim;
+    return 1.0f;
+  }
+}
+
+// The first key position a query at `pos` sees: 0 without a window (window 0), else
+// pos - window + 1 (0 near the start).
+inline int64_t first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+struct WorkItem {
+  int64_t request;
+  int64_t first_query;  // within the request's chunk
+  int64_t num_queries;
+  int64_t first_head, end_head;  // KV heads [first_head, end_head)
+};
+
+}  // namespace travelator::attention

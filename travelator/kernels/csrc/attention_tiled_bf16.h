@@ -1,0 +1,208 @@
+// The tiled prefill path of paged_attention.cpp: bf16 queries and cache on AVX512-BF16,
+// query rows in vector lanes (outside batch-invariant mode only).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "attention_common.h"
+#include "kv_layout.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+namespace travelator::attention {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Prefill tiles with bf16 queries and cache, where the caller lets a row's numbers depend
+// on its tile (not batch_invariant): the query rows lie in the 16 lanes of a vector, so
+// that Q.K and P.V are small matrix products on vdpbf16ps with no horizontal sums, and
+// the online softmax runs down the lanes. P is rounded to bf16 for P.V (FlashAttention
+// does the same); the row sums l keep float P. Keys are taken kTiledKeys at a time.
+constexpr int64_t kTiledKeys = 64;
+constexpr int64_t kTiledMinRows = 16;  // below this the row-wise kernel is as fast
+
+// acc[r] += sum over key pairs of p-pair[r] . V-pair, R rows at a time.
+template <int64_t kChunks, int64_t R>
+inline void pv_pairs(float* acc, int64_t acc_stride, const uint32_t* pp, int64_t pp_stride,
+                     const __m512bh* vi, int64_t n_pairs) {
+  __m512 a[R][kChunks];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + 16 * c);
+  for (int64_t jp = 0; jp < n_pairs; ++jp) {
+    const __m512bh* v = vi + jp * kChunks;
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp * pp_stride + r]));
+      for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], v[c], p);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, a[r][c]);
+}
+
+template <int64_t kChunks, int64_t R = 20 / kChunks>
+inline void pv_pairs_any(int64_t rows, float* acc, int64_t acc_stride, const uint32_t* pp, int64_t pp_stride,
+                         const __m512bh* vi, int64_t n_pairs) {
+  if constexpr (R > 1) {
+    if (rows < R) return pv_pairs_any<kChunks, R - 1>(rows, acc, acc_stride, pp, pp_stride, vi, n_pairs);
+  }
+  pv_pairs<kChunks, R>(acc, acc_stride, pp, pp_stride, vi, n_pairs);
+}
+
+template <int64_t kChunks>
+void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFloat16* k_cache,
+                       const c10::BFloat16* v_cache, c10::BFloat16* out, const int64_t* query_start,
+                       const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
+                       int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                       float scale, int64_t window) {
+  constexpr int64_t D = 16 * kChunks, kPairs = D / 2;
+  const int64_t bs = block_size, group = num_heads / num_kv_heads;
+  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
+  const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
+  const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
+  const int64_t key_begin = first_key(first_pos, window);  // the first key its query 0 sees
+  const int64_t rows = w.num_queries * group;  // row = query * group + r
+  const int64_t nrb = (rows + 15) / 16, rpad = nrb * 16;
+  const int64_t token0 = query_start[w.request] + w.first_query;
+  const int64_t* table = block_tables + w.request * table_width;
+
+  std::vector<uint32_t> qt(nrb * kPairs * 16), pp(kTiledKeys / 2 * rpad);
+  std::vector<float> acc(rpad * D), s(kTiledKeys * rpad), lsum(rpad);
+  std::vector<__m512bh> vi(kTiledKeys / 2 * kChunks);
+  std::vector<__m512> m(nrb), l(nrb);
+  std::vector<__m512i> row_pos(nrb), row_first(nrb);  // per lane: its position, its first key
+  std::vector<int64_t> key_offset(kTiledKeys);
+  alignas(64) float alpha_lanes[16];
+  // (a0, b0, a1, b1, ...): the bf16 of two vectors interleaved, as pairs, low then high half.
+  alignas(64) int16_t lo_idx[32], hi_idx[32], pair_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i;
+    hi_idx[2 * i] = 16 + i, hi_idx[2 * i + 1] = 48 + i;
+    pair_idx[2 * i] = i, pair_idx[2 * i + 1] = 16 + i;
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair = _mm512_load_si512(pair_idx);
+
+  for (int64_t h = w.first_head; h < w.end_head; ++h) {
+    // Q transposed: lane i of qt[rb][p] is dims (2p, 2p+1) of row rb * 16 + i; padded rows
+    // repeat the last one (computed, never written).
+    for (int64_t r = 0; r < rpad; ++r) {
+      const int64_t rr = std::min(r, rows - 1);
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(
+          q + (token0 + rr / group) * q_stride + (h * group + rr % group) * D);
+      for (int64_t p = 0; p < kPairs; ++p) qt[((r / 16) * kPairs + p) * 16 + r % 16] = src[p];
+    }
+    for (int64_t rb = 0; rb < nrb; ++rb) {
+      alignas(64) int32_t pos[16], first[16];
+      for (int i = 0; i < 16; ++i) {
+        pos[i] = static_cast<int32_t>(first_pos + std::min(rb * 16 + i, rows - 1) / group);
+        first[i] = static_cast<int32_t>(first_key(pos[i], window));
+      }
+      row_pos[rb] = _mm512_load_si512(pos);
+      row_first[rb] = _mm512_load_si512(first);
+      m[rb] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      l[rb] = _mm512_setzero_ps();
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+
+    // Chunks of kTiledKeys absolute positions from the one that holds key_begin.
+    for (int64_t chunk0 = key_begin / kTiledKeys * kTiledKeys; chunk0 < n_keys; chunk0 += kTiledKeys) {
+      const int64_t nk = std::min(kTiledKeys, n_keys - chunk0);
+      const int64_t nk8 = (nk + 7) / 8 * 8, n_pairs = (nk + 1) / 2;
+      // Keys past nk repeat the last one, keys before key_begin the first one (in bounds and
+      // in the window; masked below).
+      for (int64_t j = 0; j < nk8; ++j) {
+        const int64_t pos = std::max(key_begin, chunk0 + std::min(j, nk - 1));
+        key_offset[j] = travelator::kv_row(table[pos / bs], h, pos % bs, num_kv_heads, bs) * D;
+      }
+      // (1) scores, 8 keys x 16 rows at a time: s[j][row].
+      for (int64_t rb = 0; rb < nrb; ++rb) {
+        const uint32_t* qrb = &qt[rb * kPairs * 16];
+        for (int64_t j0 = 0; j0 < nk8; j0 += 8) {
+          const uint32_t* kr[8];
+          for (int u = 0; u < 8; ++u) kr[u] = reinterpret_cast<const uint32_t*>(k_cache + key_offset[j0 + u]);
+          __m512 a[8];
+          for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < kPairs; ++p) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qrb + p * 16);
+            for (int u = 0; u < 8; ++u)
+              a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kr[u][p])));
+          }
+          for (int u = 0; u < 8; ++u)
+            if (j0 + u < nk) _mm512_storeu_ps(&s[(j0 + u) * rpad + rb * 16], _mm512_mul_ps(a[u], _mm512_set1_ps(scale)));
+        }
+      }
+      // (2) online softmax down the lanes; p is exactly 0 where a row does not see a key.
+      // The lanes of row block rb that see the key at `key`: row_first <= key <= row_pos.
+      auto sees = [&](int64_t key, int64_t rb) {
+        const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
+        return _mm512_mask_cmpge_epi32_mask(_mm512_cmple_epi32_mask(k, row_pos[rb]), k, row_first[rb]);
+      };
+      for (int64_t rb = 0; rb < nrb; ++rb) {
+        const float neg_inf = -std::numeric_limits<float>::infinity();
+        __m512 mx = _mm512_set1_ps(neg_inf);
+        for (int64_t j = 0; j < nk; ++j)
+          mx = _mm512_mask_max_ps(mx, sees(chunk0 + j, rb), mx, _mm512_loadu_ps(&s[j * rpad + rb * 16]));
+        const __m512 m_new = _mm512_max_ps(m[rb], mx);
+        // Without a window every row sees key 0, so m_new is finite from the first chunk on.
+        // Under one, a later row may see none of the tile's first chunk: its m stays -inf
+        // and its alpha is 0 (l and acc are still 0 there), not exp(-inf + inf).
+        const __mmask16 seen = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+        const __m512 alpha = _mm512_maskz_mov_ps(seen, travelator::vec16::exp(_mm512_sub_ps(m[rb], m_new)));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < 2 * n_pairs; j += 2) {
+          __m512 p2[2];
+          for (int u = 0; u < 2; ++u) {
+            if (j + u < nk) {
+              p2[u] = _mm512_maskz_mov_ps(sees(chunk0 + j + u, rb),
+                                          travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
+            } else {
+              p2[u] = _mm512_setzero_ps();
+            }
+            sum = _mm512_add_ps(sum, p2[u]);
+          }
+          // (p_j, p_j+1) of each row as one bf16 pair.
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p2[1], p2[0]);
+          _mm512_storeu_si512(&pp[(j / 2) * rpad + rb * 16], _mm512_permutexvar_epi16(pair, both));
+        }
+        l[rb] = _mm512_fmadd_ps(l[rb], alpha, sum);
+        m[rb] = m_new;
+        _mm512_store_ps(alpha_lanes, alpha);
+        for (int i = 0; i < 16; ++i) {
+          float* a = &acc[(rb * 16 + i) * D];
+          const __m512 al = _mm512_set1_ps(alpha_lanes[i]);
+          for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al));
+        }
+      }
+      // (3) V as key pairs: lane d of vi[jp][c] is (V[2jp][16c + d], V[2jp + 1][16c + d]).
+      for (int64_t jp = 0; jp < n_pairs; ++jp) {
+        const c10::BFloat16* v0 = v_cache + key_offset[2 * jp];
+        const c10::BFloat16* v1 = v_cache + key_offset[std::min(2 * jp + 1, nk8 - 1)];
+        for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * c2), b = _mm512_loadu_si512(v1 + 32 * c2);
+          vi[jp * kChunks + 2 * c2] = (__m512bh)_mm512_permutex2var_epi16(a, lo, b);
+          vi[jp * kChunks + 2 * c2 + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi, b);
+        }
+      }
+      // (4) acc += P.V for the real rows, a few at a time.
+      for (int64_t r0 = 0; r0 < rows; r0 += 20 / kChunks) {
+        const int64_t nr = std::min<int64_t>(20 / kChunks, rows - r0);
+        pv_pairs_any<kChunks>(nr, &acc[r0 * D], D, &pp[r0], rpad, vi.data(), n_pairs);
+      }
+    }
+    for (int64_t rb = 0; rb < nrb; ++rb) _mm512_storeu_ps(&lsum[rb * 16], l[rb]);
+    for (int64_t r = 0; r < rows; ++r) {
+      c10::BFloat16* dst = out + ((token0 + r / group) * num_heads + h * group + r % group) * D;
+      const float inv = 1.0f / lsum[r];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(acc[r * D + d] * inv);
+    }
+  }
+}
+#endif
+
+}  // namespace travelator::attention

@@ -1,0 +1,46 @@
+// What the quantized kernels share (quant_linear.cpp, quant_dequantize.cpp and their
+// instruction-set paths): the packed layout's tile, and x's integer form.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "vec8.h"
+
+namespace travelator::quant {
+
+#if defined(TRAVELATOR_VEC8)
+namespace v8 = travelator::vec8;
+#endif
+
+constexpr int64_t kTileRows = 64;     // output rows of a tile: 4 vectors of 16 lanes (AVX2: 8 of 8)
+
+// fn((float*)nullptr) or fn((c10::BFloat16*)nullptr), as `dtype` says.
+template <typename Fn>
+auto with_float_type(at::ScalarType dtype, Fn fn) {
+  if (dtype == at::kFloat) return fn(static_cast<float*>(nullptr));
+  return fn(static_cast<c10::BFloat16*>(nullptr));
+}
+
+inline void check_packed(const at::Tensor& packed, const char* name) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(2) == 4 && packed.size(3) == kTileRows, name, ": bad packed layout");
+}
+
+constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (int8 weights)
+constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
+constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zero
+
+// x in integers: per row, hi and lo bytes [K] and per block its scale and sum of xi.
+struct IntegerX {
+  std::vector<int8_t> hi, lo;
+  std::vector<int16_t> xi16;  // xi itself: the AVX2 int8 tiles' operand
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t K = 0, block = 0, blocks = 0;
+};
+
+}  // namespace travelator::quant

@@ -1,0 +1,247 @@
+// The integer kernel's tiles on AVX2, where AVX512-VNNI is not built: the same sums, bit
+// for bit; defines TRAVELATOR_QUANT_KERNEL where it is built.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "quant_common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace travelator::quant {
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(TRAVELATOR_VEC8)
+// AVX2 has no vpdpbusd; the same exact integer sums come from other instructions:
+//   int8: u widened to 16 bits and xi as it is (16-bit), vpmaddwd: pairs of products into
+//         int32, at most 2 * 255 * 32512 each, so a block of 128 inputs stays below 2^31;
+//   int4: vpmaddubsw (unsigned bytes times signed bytes, pairs into int16, saturating) on
+//         the codes and x's hi and lo bytes: a code is at most 15, so a pair is at most
+//         2 * 15 * 128 and nothing saturates; vpmaddwd by 256 or by 1 then widens the hi and
+//         lo sums, so one int32 vector holds a group's 256 (u . hi) + (u . lo).
+// The integer sums are the AVX-512 kernel's and so are the float steps, lane for lane, so a
+// row comes out of both with the same bits.
+#define TRAVELATOR_QUANT_KERNEL 1
+constexpr int64_t kRowsPerTile = 4;  // rows of x a tile is read for at once
+constexpr bool kPairTiles = false;   // a tile at a time, whatever M
+constexpr int kVectors = 8;          // vectors of 8 output rows in a tile
+
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* p, int64_t n) {
+  if (n >= 8) return v8::load(p);
+  alignas(32) float part[8] = {};
+  for (int64_t i = 0; i < n; ++i) part[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(part);
+}
+
+inline float max8(__m256 v) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+template <typename scalar_t>
+IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, int64_t block) {
+  IntegerX r;
+  r.K = K_padded, r.block = block, r.blocks = K_padded / block;
+  r.hi.assign(M * K_padded, 0), r.lo.assign(M * K_padded, 0);
+  r.xi16.assign(M * K_padded, 0);
+  r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const scalar_t* row = x + m * K;
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
+      __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 8) {
+        const __m256 v = load8(row + k, k1 - k);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign_bit, v));
+      }
+      if (_mm256_movemask_ps(nan)) {  // a NaN in x: the block's sums are NaN, as in float
+        r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float top = max8(mx);
+      if (std::isinf(top)) {  // as in the AVX-512 kernel
+        r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      if (!(top > kXMinTop)) continue;  // as in the AVX-512 kernel: xi = 0
+      const __m256 inv = _mm256_set1_ps(kXMax / top);
+      const __m256i lim = _mm256_set1_epi32(kXMax), neg_lim = _mm256_set1_epi32(-kXMax);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k1; k += 8) {
+        // Round to nearest even (the default rounding mode), then clamp.
+        __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(row + k, k1 - k), inv));
+        xi = _mm256_max_epi32(_mm256_min_epi32(xi, lim), neg_lim);
+        sum = _mm256_add_epi32(sum, xi);  // lanes past k1 are 0
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), xi);
+        for (int64_t i = 0; i < std::min<int64_t>(8, k1 - k); ++i) {
+          const int8_t lo = static_cast<int8_t>(lanes[i] & 0xFF);  // low byte, signed
+          const int8_t hi = static_cast<int8_t>((lanes[i] - lo) / 256);
+          const int64_t at = m * K_padded + k + i;
+          r.lo[at] = lo, r.hi[at] = hi;
+          r.xi16[at] = static_cast<int16_t>(lanes[i]);
+        }
+      }
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      r.scale[m * r.blocks + b] = top / kXMax;
+      r.sum[m * r.blocks + b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+    }
+  }
+  return r;
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// acc + 256 (u . hi) + (u . lo) over 8 inputs: u0 the codes of the first 4 (low nibbles), u1
+// of the next 4. Two int16 pairs add up to at most 4 * 15 * 128: no saturation.
+inline __m256i dot_int4(__m256i acc, __m256i u0, __m256i u1, __m256i hi0, __m256i lo0, __m256i hi1, __m256i lo1) {
+  const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(u0, hi0), _mm256_maddubs_epi16(u1, hi1));
+  const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(u0, lo0), _mm256_maddubs_epi16(u1, lo1));
+  const __m256i h = _mm256_madd_epi16(ph, _mm256_set1_epi16(256)), l = _mm256_madd_epi16(pl, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(h, l));
+}
+
+// The 4 lines of a step 2 KB on (as in the AVX-512 kernel; 4 and 8 KB measured no different).
+inline void prefetch_ahead(const uint8_t* wk) {
+  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64 * line, _MM_HINT_T0);
+}
+
+// One tile of 64 output rows (8 vectors of 8) against MR rows of x, int8 weights. Sixteen
+// registers do not hold 8 vectors' sums for several rows, so each block of inputs (8 KB of
+// the tile, which stays in L1) is taken in passes of 4 / MR vectors. The running float sums
+// live in `out`.
+template <int64_t MR>
+void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
+               int64_t out_stride) {
+  constexpr int RG = 4 / MR;  // vectors per pass
+  const int64_t K = xi.K;
+  for (int64_t m = 0; m < MR; ++m)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
+  for (int64_t b = 0; b < xi.blocks; ++b) {
+    const int64_t k0 = b * xi.block;
+    for (int v0 = 0; v0 < kVectors; v0 += RG) {
+      // Per vector two sums: rows 0-3 and 4-7 of its 8, each row in two lanes (inputs k, k+1
+      // and k+2, k+3).
+      __m256i acc[MR][RG][2];
+      for (int64_t m = 0; m < MR; ++m)
+        for (int v = 0; v < RG; ++v) acc[m][v][0] = acc[m][v][1] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + xi.block; k += 4) {
+        const uint8_t* wk = w + k * kTileRows;  // 8 vectors of 32 bytes
+        if (v0 == 0) prefetch_ahead(wk);
+        __m256i xv[MR];  // xi[k..k+3] in every 64 bits
+        for (int64_t m = 0; m < MR; ++m) {
+          int64_t four;
+          std::memcpy(&four, &xi.xi16[(m0 + m) * K + k], 8);
+          xv[m] = _mm256_set1_epi64x(four);
+        }
+        for (int v = 0; v < RG; ++v) {
+          const __m128i* d = reinterpret_cast<const __m128i*>(wk + (v0 + v) * 32);
+          const __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(d)), u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(d + 1));
+          for (int64_t m = 0; m < MR; ++m) {
+            acc[m][v][0] = _mm256_add_epi32(acc[m][v][0], _mm256_madd_epi16(u0, xv[m]));
+            acc[m][v][1] = _mm256_add_epi32(acc[m][v][1], _mm256_madd_epi16(u1, xv[m]));
+          }
+        }
+      }
+      for (int64_t m = 0; m < MR; ++m) {
+        const int64_t mb = (m0 + m) * xi.blocks + b;
+        const __m256i offset = _mm256_set1_epi32(128 * xi.sum[mb]);
+        const __m256 scale = _mm256_set1_ps(xi.scale[mb]);
+        for (int v = 0; v < RG; ++v) {
+          // Lanes (0 1 4 5 | 2 3 6 7) of the row sums, then in row order: sum u xi - 128 sum xi.
+          const __m256i rows = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][v][0], acc[m][v][1]), 0xD8);
+          float* tot = out + m * out_stride + (v0 + v) * 8;
+          const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(rows, offset));
+          _mm256_storeu_ps(tot, _mm256_fmadd_ps(a, scale, _mm256_loadu_ps(tot)));
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m)
+    for (int v = 0; v < kVectors; ++v) {
+      float* tot = out + m * out_stride + v * 8;
+      _mm256_storeu_ps(tot, _mm256_mul_ps(_mm256_loadu_ps(tot), _mm256_loadu_ps(row_scale + v * 8)));
+    }
+}
+
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero).
+template <int64_t MR>
+void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz, float* out,
+               int64_t out_stride) {
+  constexpr int RG = 4 / MR;
+  const int64_t K = xi.K;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t m = 0; m < MR; ++m)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
+  for (int64_t g = 0; g < xi.blocks; ++g) {
+    const int64_t k0 = g * xi.block;
+    const float* s = sz + g * 2 * kTileRows;
+    const float* z = s + kTileRows;
+    for (int v0 = 0; v0 < kVectors; v0 += RG) {
+      __m256i acc[MR][RG];
+      for (int64_t m = 0; m < MR; ++m)
+        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + xi.block; k += 8) {
+        const uint8_t* wk = w + k / 2 * kTileRows;  // 8 vectors of 32 bytes: 8 inputs of 64 rows
+        if (v0 == 0) prefetch_ahead(wk);
+        __m256i hi0[MR], lo0[MR], hi1[MR], lo1[MR];
+        for (int64_t m = 0; m < MR; ++m) {
+          const int64_t at = (m0 + m) * K + k;
+          hi0[m] = bcast4(&xi.hi[at]), lo0[m] = bcast4(&xi.lo[at]);
+          hi1[m] = bcast4(&xi.hi[at + 4]), lo1[m] = bcast4(&xi.lo[at + 4]);
+        }
+        for (int v = 0; v < RG; ++v) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32));
+          const __m256i u0 = _mm256_and_si256(d, nibble), u1 = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
+          for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int4(acc[m][v], u0, u1, hi0[m], lo0[m], hi1[m], lo1[m]);
+        }
+      }
+      for (int64_t m = 0; m < MR; ++m) {
+        const int64_t mg = (m0 + m) * xi.blocks + g;
+        const __m256i offset = _mm256_set1_epi32(8 * xi.sum[mg]);
+        const __m256 xs = _mm256_set1_ps(xi.scale[mg]);
+        const __m256 zx = _mm256_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
+        for (int v = 0; v < RG; ++v) {
+          const int r = (v0 + v) * 8;
+          float* tot = out + m * out_stride + r;
+          const __m256 sxs = _mm256_mul_ps(_mm256_loadu_ps(s + r), xs);
+          __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][v], offset)), sxs, _mm256_loadu_ps(tot));
+          _mm256_storeu_ps(tot, _mm256_fmadd_ps(_mm256_loadu_ps(z + r), zx, t));
+        }
+      }
+    }
+  }
+}
+// One tile at a time here (kPairTiles is false).
+template <int64_t MR, int64_t NT>
+void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const float* row_scale, float* out,
+                int64_t out_stride, int64_t) {
+  static_assert(NT == 1);
+  tile_int8<MR>(xi, m0, w, row_scale, out, out_stride);
+}
+
+template <int64_t MR, int64_t NT>
+void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const float* sz, int64_t, float* out,
+                int64_t out_stride, int64_t) {
+  static_assert(NT == 1);
+  tile_int4<MR>(xi, m0, w, sz, out, out_stride);
+}
+#endif
+
+}  // namespace travelator::quant

@@ -1,0 +1,32 @@
+"""How a linear layer's weight is multiplied, decided once when the weight is prepared.
+
+The names and values are ``csrc/linear_route.h``'s (the native layer stack reads them as
+integers); a test checks that the two agree. A weight with no route (not prepared: a float32
+model, a GPU, no oneDNN) runs through ``F.linear`` as it was loaded.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class LinearRoute(IntEnum):
+    # bf16 weight with a oneDNN-packed bf16 copy; a few rows stream it through small_m_linear.
+    ONEDNN_BF16 = 0
+    # int8 weight (quant_linear_int8 up to its rows, else dequantized).
+    INT8 = 1
+    # int4 weight (quant_linear_int4 up to its rows, else dequantized).
+    INT4 = 2
+    # bf16 weight laid out for blocked_linear, at every row count.
+    BLOCKED = 3
+    # bf16 weight with a oneDNN-packed float32 copy (no bf16 GEMM on this CPU); a few rows
+    # stream as ONEDNN_BF16.
+    ONEDNN_FLOAT32 = 4
+
+    @property
+    def quantized(self) -> bool:
+        return self in (LinearRoute.INT8, LinearRoute.INT4)
+
+    @property
+    def onednn(self) -> bool:
+        return self in (LinearRoute.ONEDNN_BF16, LinearRoute.ONEDNN_FLOAT32)
