@@ -91,3 +91,31 @@ def test_an_int8_cache_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="float KV caches"):
         triton_attention.paged_attention(torch.zeros(1, 1, 32), cache, cache, torch.tensor([0, 1]),
                                          torch.tensor([1]), torch.tensor([[0]]), 1.0, 0, 1, 1)
+
+
+def test_an_engine_on_the_triton_path_matches_the_torch_path():
+    """The whole engine with kernels="triton" (under the interpreter here): chunked prefill,
+    decodes beside prefill chunks, GQA; the same greedy tokens as the torch path, logprobs
+    within float32 rounding."""
+    from travelator import LLM, SamplingParams
+
+    prompts = [list(range(5, 45)), list(range(100, 103)), list(range(200, 227))]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+    runs = {}
+    for kernels in ("torch", "triton"):
+        llm = LLM("dummy:tiny", device=DEVICE, kernels=kernels, dtype="float32",
+                  max_num_batched_tokens=32, max_num_seqs=3, block_size=8)
+        runs[kernels] = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
+    for torch_out, triton_out in zip(runs["torch"], runs["triton"]):
+        assert triton_out.token_ids == torch_out.token_ids
+        got = [lp.logprob for lp in triton_out.logprobs]
+        want = [lp.logprob for lp in torch_out.logprobs]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_the_triton_path_is_refused_on_a_cpu_outside_the_interpreter(monkeypatch):
+    from travelator.model.ops import make_ops
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="runs on a CUDA device"):
+        make_ops("triton", torch.device("cpu"))

@@ -21,7 +21,7 @@ SpeculativePolicy = Literal["adaptive", "fixed"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 LoadFormat = Literal["auto", "dummy"]
-Kernels = Literal["auto", "native", "torch"]
+Kernels = Literal["auto", "native", "triton", "torch"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 LmHeadQuantization = Literal["auto", "none", "int8", "int4"]
 
@@ -84,8 +84,9 @@ class ModelConfig:
     device: Annotated[str, Setting("cpu, cuda, cuda:N or auto")] = "auto"
     kernels: Annotated[Kernels, Setting(
         "native: travelator's C++ CPU kernels (paged attention in one call per layer, fused "
-        "norms, SiLU and rope, pre-packed bf16 linear layers), built on first use; torch: "
-        "plain torch; auto: native on the CPU where they build")] = "auto"
+        "norms, SiLU and rope, pre-packed bf16 linear layers), built on first use; triton: "
+        "paged attention in Triton on a CUDA device (the rest in torch); torch: plain torch; "
+        "auto: native on the CPU where they build, triton on CUDA where it imports")] = "auto"
     quantization: Annotated[Quantization, Setting(
         "weights of the linear layers (QKV, output, gate/up, down) kept quantized on the CPU: int8 per "
         "output channel, or int4 in groups of quantization_group_size inputs, quantized at load; "

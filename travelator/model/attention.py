@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: the only per-request operation of a step.
 
-Two backends read the same metadata:
+Three backends read the same metadata:
 
 - ``native`` (default where it builds): one C++ call per layer for the whole flat
   batch, decodes and prefill chunks of any length mixed, keys and values read in place
@@ -9,6 +9,8 @@ Two backends read the same metadata:
   code whatever else is in the step, so a request's numbers do not depend on its batch. Outside batch-invariant
   mode, bf16 prefill tiles take a tiled kernel instead (query rows in vector lanes,
   faster on long prompts), whose numbers depend on how the prompt was chunked.
+- ``triton``: the same one call per layer on a CUDA device, in Triton
+  (travelator/kernels/triton_attention.py), with its own KV write; float KV caches only.
 - ``torch``: the fallback for machines without a compiler. The flat batch is ordered
   decodes first; their blocks are gathered into a padded [B, L] key range with a length
   mask, one SDPA call for the lot. Each prefill chunk gets its own SDPA call with a
@@ -16,8 +18,8 @@ Two backends read the same metadata:
   0..p+i (docs/design.md invariant 3).
 
 A layer with a sliding window (Mistral, Gemma 3's local layers) narrows that on both
-backends as transformers does: a query at position p sees keys p - window + 1 .. p (key k
-is seen when k > p - window). Neither backend reads the blocks wholly before the first key
+paths as transformers does: a query at position p sees keys p - window + 1 .. p (key k
+is seen when k > p - window). No path reads the blocks wholly before the first key
 a request's queries see.
 """
 
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from travelator.model import kv_layout
 
-AttentionBackend = Literal["native", "torch"]
+AttentionBackend = Literal["native", "triton", "torch"]
 
 
 @dataclass(slots=True)
@@ -45,6 +47,8 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes requests have one query each
     query_lens: list[int]  # host copies, for the torch path
     context_lens: list[int]  # tokens cached before this step, per request
+    max_query_len: int = 0  # the batch's longest query and sequence: the triton path's grid
+    max_seq_len: int = 0
     decode_mask: torch.Tensor | None = None  # torch path: [nd, 1, 1, width * block_size] bool
     # torch path: the decodes' blocks and mask under each sliding window met (window_decode)
     window_decodes: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -109,6 +113,8 @@ def build_metadata(backend: AttentionBackend, slot_mapping: torch.Tensor, query_
         num_decodes=num_decodes,
         query_lens=query_lens,
         context_lens=context_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
         decode_mask=decode_mask,
         tiled_prefill=tiled_prefill,
     )
@@ -134,6 +140,8 @@ class PagedAttention:
     ) -> torch.Tensor:
         # Write before reading (docs/design.md invariant 4): a chunk's own keys come from the
         # cache too.
+        if meta.backend == "triton":
+            return self._triton_attention(q, k, v, k_cache, v_cache, meta)
         if meta.backend == "native" and k_cache.dtype in (k.dtype, torch.int8):
             torch.ops.travelator.write_kv_(k_cache, v_cache, meta.slot_mapping, k, v)
         else:
@@ -145,6 +153,14 @@ class PagedAttention:
                 meta.block_tables, self.scale, meta.tiled_prefill, self.window or 0,
             )
         return self._torch_attention(q, k, v, k_cache, v_cache, meta)
+
+    def _triton_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from travelator.kernels import triton_attention  # imports triton: only on this path
+
+        triton_attention.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        return triton_attention.paged_attention(
+            q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+            self.window or 0, meta.max_query_len, meta.max_seq_len)
 
     # ---- the pure-torch fallback ------------------------------------------------------
     def _torch_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The per-token operations of the Llama block, in two implementations.
+"""The per-token operations of the Llama block, in three implementations.
 
-``TorchOps`` is plain torch: the reference, and the path on GPUs and on machines where
-the native kernels do not build. ``NativeOps`` runs the same operations through
+``TorchOps`` is plain torch: the reference, and the path on machines where the native
+kernels do not build. ``TritonOps`` is the same with the paged attention in Triton, the
+path on CUDA devices. ``NativeOps`` runs the same operations through
 travelator's C++ CPU kernels (fused RMSNorm with the residual add, SiLU * up, rotary in
 place, paged attention in one call per layer, a vectorised argmax for the sampler) and its
 linear layers through ``NativeLinear`` (model/native_linear.py), which decides each weight's
@@ -16,6 +17,8 @@ The model holds one of them for its whole life; ``make_ops`` picks it from the
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterable
 
 import torch
@@ -90,6 +93,12 @@ class TorchOps:
         bits = torch.arange(32, dtype=torch.int32, device=masks.device)
         allowed = ((masks.unsqueeze(-1) >> bits) & 1).flatten(1)[:, : logits.shape[1]].bool()
         logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+class TritonOps(TorchOps):
+    """torch for the dense work, Triton's paged attention (GPU) for the per-request part."""
+
+    attention_backend: AttentionBackend = "triton"
 
 
 class NativeOps(TorchOps):
@@ -179,8 +188,8 @@ def make_ops(kernels_setting: str, device: torch.device, batch_invariant: bool =
     """``auto``: the native kernels on the CPU where they build, else torch. The
     batch-invariant mode needs the native kernels (the torch path's attention and GEMMs
     change their reduction order with the batch)."""
-    if kernels_setting not in ("auto", "native", "torch"):
-        raise ValueError(f"unknown kernels {kernels_setting!r}; use auto, native or torch")
+    if kernels_setting not in ("auto", "native", "triton", "torch"):
+        raise ValueError(f"unknown kernels {kernels_setting!r}; use auto, native, triton or torch")
     if batch_invariant:
         if kernels_setting == "torch" or device.type != "cpu":
             raise ValueError("batch_invariant needs the native CPU kernels (kernels='native' or "
@@ -189,6 +198,10 @@ def make_ops(kernels_setting: str, device: torch.device, batch_invariant: bool =
             raise ValueError("batch_invariant needs the native CPU kernels, which do not build "
                              "here (see the warning above)")
         return NativeOps(batch_invariant=True)
+    if kernels_setting == "triton":
+        return _triton_ops(device)
+    if kernels_setting == "auto" and device.type == "cuda":
+        return TritonOps() if importlib.util.find_spec("triton") is not None else TorchOps()
     if kernels_setting == "torch" or (kernels_setting == "auto" and device.type != "cpu"):
         return TorchOps()
     if device.type != "cpu":
@@ -196,3 +209,14 @@ def make_ops(kernels_setting: str, device: torch.device, batch_invariant: bool =
     if kernels_setting == "native":
         return NativeOps()  # raises with the compiler's message
     return NativeOps() if kernels.available() else TorchOps()
+
+
+def _triton_ops(device: torch.device) -> TritonOps:
+    """Triton compiles for CUDA devices; its interpreter (TRITON_INTERPRET=1) runs the same
+    kernels on the CPU, which is how the tests check them without a GPU."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("kernels='triton' needs the triton package (CUDA builds of torch bring it)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels='triton' runs on a CUDA device; the device is {device} "
+                         "(TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)")
+    return TritonOps()
