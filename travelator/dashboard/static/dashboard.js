@@ -1,7 +1,7 @@
 "use strict";
 // The walkway view: one panel per source of step records. Live, the source is the server's
 // /dashboard/stream; in a replay, records recorded by `travelator bench compare`, played back
-// on their own clock. A record is described in travelator/engine/walkway.py.
+// on their own clock. A record is described in travelator/dashboard/walkway.py.
 
 const COLUMNS = 300;     // steps drawn
 const WINDOW_S = 60;     // rates and percentiles: over the last minute

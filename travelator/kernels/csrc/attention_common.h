@@ -15,7 +15,7 @@ constexpr int64_t kQueryTile = 16;  // query rows of one work item (prefill)
 constexpr int64_t kRowKeyChunk = 32;
 
 // A cache row is one head's vector of one token: head_dim values, or for an int8 cache
-// head_dim codes and then their float32 scale (model/kv_cache.py).
+// head_dim codes and then their float32 scale (model/kv_layout.py).
 template <typename cache_t>
 constexpr int64_t row_width(int64_t head_dim) {
   return std::is_same_v<cache_t, int8_t> ? head_dim + 4 : head_dim;

@@ -1,5 +1,5 @@
 // Where a row of the KV cache lies: the one statement of its layout on the C++ side
-// (model/kv_cache.py is the Python one). A layer's K or V cache is [blocks, kv_heads,
+// (model/kv_layout.py is the Python one). A layer's K or V cache is [blocks, kv_heads,
 // block_size, row]: each head's rows of a block together, so that attention, reading one
 // head's keys in order of position, reads a block front to back.
 #pragma once

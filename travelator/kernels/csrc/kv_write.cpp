@@ -21,7 +21,7 @@ namespace v16 = travelator::vec16;
 // One head's vector as an int8 cache row: codes = round(x * (127 / max|x|)), then the float32
 // scale max|x| / 127; a row with a NaN or an infinity gets codes 0 and a NaN scale, a row
 // whose 127 / max|x| overflows (all zeros, or below ~4e-37) codes 0. The
-// same float steps as model/kv_cache.py's quantize_rows, so both give the same bytes.
+// same float steps as model/kv_layout.py's quantize_rows, so both give the same bytes.
 template <typename T>
 void quantize_kv_row(const T* x, int64_t d, int8_t* out) {
 #if defined(TRAVELATOR_VEC16)
