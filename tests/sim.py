@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from travelator.config import SchedulerConfig
 from travelator.engine.block_manager import KVCacheManager
-from travelator.engine.request import Request
+from travelator.engine.request import Request, RequestStatus, Stop
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler as make_configured_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
@@ -67,7 +67,7 @@ class FakeRunner:
             if end == len(s.tokens):
                 tok = zlib.crc32(repr(seen).encode()) % VOCAB
                 s.tokens.append(tok)
-                sampled[rid] = SampledToken(tok)
+                sampled[rid] = [SampledToken(tok)]
         return RunnerOutput(sampled)
 
     def _slot(self, s: _State, pos: int) -> int:
@@ -116,6 +116,14 @@ def make_scheduler(batching: str, num_blocks: int, block_size: int, max_num_seqs
         KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching), StepClock())
 
 
+def stop_by_length(sched: SchedulerBase, req: Request, toks: list[SampledToken]) -> None:
+    """The engine's stop decision (``OutputProcessor.find_stop``) for requests that stop only
+    at their length, as every simulated one does: tell the scheduler once."""
+    if len(req.output_token_ids) >= req.max_tokens:
+        kept = req.max_tokens - (len(req.output_token_ids) - len(toks))
+        sched.stop_request(req, len(toks) - max(kept, 0), Stop(RequestStatus.FINISHED_LENGTH))
+
+
 def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100_000) -> SimResult:
     runner = FakeRunner(sched.kv.block_size)
     pending = sorted(arrivals, key=lambda a: a.step)
@@ -145,7 +153,8 @@ def simulate(sched: SchedulerBase, arrivals: list[Arrival], max_steps: int = 100
             res.first_scheduled.setdefault(rid, step)
             req = sched.requests[rid]
             res.partial_chunks += req.num_computed_tokens + n < req.num_tokens
-        for req, _ in sched.update_from_output(out, runner.execute(out)):
+        for req, toks in sched.update_from_output(out, runner.execute(out)):
+            stop_by_length(sched, req, toks)
             if req.status.finished:
                 res.outputs[req.request_id] = list(req.output_token_ids)
                 res.finished[req.request_id] = step

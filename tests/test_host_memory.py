@@ -67,10 +67,11 @@ def last_rounds_faults(setup: str, on_a_thread: bool = False) -> list[int]:
 
 
 RETAIN = "from travelator.model.host_memory import retain_freed_memory\nassert retain_freed_memory()\n"
-RUNNER = ("import torch\nfrom travelator.engine.model_runner import ModelRunner\n"
+RUNNER = ("import torch\nfrom travelator.config import ModelConfig\n"
+          "from travelator.engine.model_runner import ModelRunner, RunnerSettings\n"
           "from travelator.model.arch import preset\n"
-          "ModelRunner(preset('tiny'), None, dtype=torch.float32, kv_dtype=torch.float32, "
-          "device=torch.device('cpu'), max_model_len=64, kernels='torch')\n")
+          "ModelRunner(ModelConfig('dummy:tiny', kernels='torch'), preset('tiny'), None, "
+          "RunnerSettings(torch.float32, torch.float32, torch.device('cpu'), max_model_len=64))\n")
 
 
 @pytest.mark.parametrize("on_a_thread", [False, True], ids=["main thread", "own thread"])

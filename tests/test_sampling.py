@@ -110,14 +110,13 @@ def test_stop_token_ids_and_max_tokens(llm):
 
 
 def _finish_after(tokens, eos, **kw):
-    from travelator.engine.request import Request
+    from travelator.engine.request import Request, stop_by_token
 
     params = SamplingParams(**kw)
     req = Request("r", [1], params, params.max_tokens or 100, eos_token_ids=frozenset(eos))
     for n, t in enumerate(tokens, 1):
-        req.append_output_token(t)
-        if req.check_stop_token():
-            return n, req.status.finish_reason
+        if (stop := stop_by_token(req, t, n)) is not None:
+            return n, stop.status.finish_reason
     return None, None
 
 

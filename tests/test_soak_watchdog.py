@@ -23,7 +23,7 @@ import pytest
 from paths import STORIES, needs_stories
 from live import serve_in_thread
 from travelator import LLM
-from travelator.engine import model_runner
+from travelator.engine import sampling_stage
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
 from travelator.server.process import ServerProcess, free_port
@@ -64,7 +64,7 @@ def fault_in_model_run(monkeypatch) -> dict:
     """Make the sampling of the next ``armed`` steps raise: the runner has applied the step's
     changes and run the model, then fails (as a kernel or sampler error would)."""
     state = {"armed": 0, "raised": 0}
-    sample = model_runner.sample
+    sample = sampling_stage.sample
 
     def faulty(*args, **kwargs):
         if state["armed"]:
@@ -73,7 +73,7 @@ def fault_in_model_run(monkeypatch) -> dict:
             raise RuntimeError("injected fault in the model run")
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "sample", faulty)
+    monkeypatch.setattr(sampling_stage, "sample", faulty)
     return state
 
 

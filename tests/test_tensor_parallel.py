@@ -97,17 +97,17 @@ def test_dummy_weights_same_model_and_half_the_weights_per_rank():
 
 def check_runner_states_on_every_rank(llm: LLM) -> None:
     """The self-check reads the request states of a tensor-parallel group too."""
-    from travelator.engine.model_runner import RunnerRequestState
+    from travelator.engine.input_batch import RunnerRequestState
     from travelator.engine.self_check import engine_self_check
     from travelator.sampling_params import SamplingParams
 
     assert engine_self_check(llm.engine)["ok"]
     driver = llm.engine.runner.runner
-    driver.states["ghost"] = RunnerRequestState("ghost", 1, [1], SamplingParams(), [], 0)
+    driver.batch.states["ghost"] = RunnerRequestState("ghost", 1, [1], SamplingParams(), [], 0)
     try:
         report = engine_self_check(llm.engine)
     finally:
-        del driver.states["ghost"]
+        del driver.batch.states["ghost"]
     assert not report["ok"]
     assert "runner states of finished requests: ['ghost']" in report["problems"]
 

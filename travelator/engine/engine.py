@@ -7,62 +7,29 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 
 from travelator.config import EngineConfig
-from travelator.engine.block_manager import KVCacheManager, blocks_for
-from travelator.engine.detokenizer import IncrementalDetokenizer
+from travelator.engine.tp_executor import TensorParallelError, make_executor
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.kv_handoff import KV_LAYOUT, KVHandoff, KVPoolFullError
-from travelator.engine.outputs import RequestOutput, TokenLogprob
+from travelator.engine.block_manager import KVCacheManager, blocks_for
+from travelator.engine.kv_handoff import KVHandoff, KVHandoffs
+from travelator.engine.model_runner import RunnerSettings
+from travelator.engine.output_processor import OutputProcessor
+from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request, RequestStatus
 from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
-from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
-from travelator.engine.tp_executor import TensorParallelError, make_executor
+from travelator.engine.scheduler_output import SampledToken, SchedulerOutput
+from travelator.engine.step_stats import EngineCounters, StepStats
 from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What one step did, for metrics and occupancy plots."""
-
-    num_requests: int
-    num_tokens: int
-    num_prefill_tokens: int
-    num_decodes: int
-    num_preempted: int
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    duration_s: float
-    # Speculative decoding: drafts verified, and how many were accepted.
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    num_speculating: int = 0  # requests that verified drafts
-
-
-@dataclass(slots=True)
-class EngineCounters:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once)
-    computed_prompt_tokens: int = 0  # prompt tokens actually computed (recompute included)
-    generation_tokens: int = 0
-    preemptions: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding: draft tokens verified, how many were accepted, and the
-    # request-steps that verified drafts (accepted / those: mean accepted length).
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    speculative_steps: int = 0
 
 
 class LLMEngine:
@@ -84,11 +51,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         draft = self._draft_source()
         # One rank: a ModelRunner. Tensor parallel: the driver of the group.
-        self.runner: Executor = make_executor(
-            config.parallel, mc, self.arch, source.weights, dtype=dtype, kv_dtype=kv_dtype,
-            device=self.device, max_model_len=self.max_model_len, seed=mc.seed,
-            eos_token_ids=self.eos_token_ids, grammars=self.grammars, draft=draft,
-        )
+        settings = RunnerSettings(dtype, kv_dtype, self.device, self.max_model_len, self.eos_token_ids)
+        self.runner: Executor = make_executor(config.parallel, mc, self.arch, source.weights, settings,
+                                              grammars=self.grammars, draft=draft)
         self.dtype = dtype
         block_size = config.cache.block_size
         num_blocks = self._size_kv_pool(block_size)
@@ -104,8 +69,9 @@ class LLMEngine:
         self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
         self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                                self.eos_token_ids, self.grammars)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
+        self.output_processor = OutputProcessor(self.tokenizer, self.counters)
+        self.handoffs = KVHandoffs(config, self.scheduler, self.kv, self.runner)
         self.last_step: StepStats | None = None
         self.last_schedule: SchedulerOutput | None = None  # what that step ran (the live view reads it)
         self._phase_times = {"schedule": 0.0, "update+detokenize": 0.0}
@@ -196,18 +162,7 @@ class LLMEngine:
         """Queue a request made by make_request (on the thread that steps the engine)."""
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        params = req.sampling_params
-        detok = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, prompt_token_ids=req.prompt_token_ids,
-        )
-        if req.output_token_ids:
-            # A handed-off request: its first tokens' text is replayed, so that a stop string
-            # that begins there is still found; what the engine that sampled them released
-            # (the same text: the same tokenizer and stop strings) is not released again.
-            detok.add_tokens(req.output_token_ids)
-            detok.take_delta()
-        self.detokenizers[req.request_id] = detok
+        self.output_processor.add_request(req)
         self.scheduler.add_request(req)
         self.counters.prompt_tokens += req.num_prompt_tokens
 
@@ -228,74 +183,26 @@ class LLMEngine:
         """
         req = self.make_request(prompt, params, request_id, priority, cache_salt)
         if hand_off:
-            self.prepare_handoff(req)
+            self.handoffs.prepare(req)
         self.enqueue(req)
         return req
 
     # ---- prefill/decode disaggregation ----------------------------------------------
-    def prepare_handoff(self, req: Request) -> None:
-        """Make a request from make_request stop after its first token and hand its KV over."""
-        if self.config.scheduler.speculative_method == "draft":
-            raise ValueError("a KV hand-off does not carry a draft model's cache")
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("a KV hand-off needs tensor_parallel_size 1")
-        if req.max_tokens > 1:
-            req.hand_off = True
-            req.max_tokens = 1
-
-    def _read_handoffs(self) -> dict[str, KVHandoff | str]:
-        """Read out the KV of requests that finished their part here, then free their blocks
-        (full ones stay in the prefix cache). A read that fails gives that request's error."""
-        done: dict[str, KVHandoff | str] = {}
-        for req in self.scheduler.take_handoffs():
-            rid = req.request_id
-            try:
-                done[rid] = KVHandoff(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                      req.num_computed_tokens, self.kv.block_size,
-                                      self.runner.read_kv_blocks(self.kv.block_ids(rid)), req.cache_salt)
-            except Exception as exc:  # noqa: BLE001 - fail this request, not the step loop
-                logger.exception("reading the KV of %s for its hand-off failed", rid)
-                done[rid] = f"the KV hand-off failed: {exc!r}"
-            finally:
-                self.kv.free(rid)
-        return done
-
     def add_handoff(self, handoff: KVHandoff, params: SamplingParams, request_id: str | None = None,
                     priority: int = 0) -> Request:
         """Continue a request another engine prefilled: its blocks are allocated and filled
         here now, and it joins the queue as a decode. ``params`` are the request's own
         (the prefill engine stopped it after one token). Raises KVPoolFullError, changing
         nothing, when the pool has no room for it now (retry after a step)."""
-        if handoff.block_size != self.kv.block_size:
-            raise ValueError(f"handed-off blocks hold {handoff.block_size} tokens, this pool's {self.kv.block_size}")
-        if handoff.kv_layout != KV_LAYOUT:
-            raise ValueError(f"handed-off blocks are laid out as [{handoff.kv_layout}], this pool's as "
-                             f"[{KV_LAYOUT}]: both engines must run the same version")
         req = self.make_request(handoff.prompt_token_ids, params, request_id or handoff.request_id, priority,
                                 handoff.cache_salt)
-        outputs = list(handoff.output_token_ids)
-        if not outputs or len(outputs) >= req.max_tokens:
-            raise ValueError("a hand-off continues a request that has sampled at least one token and "
-                             "has more to sample")
-        if handoff.num_computed_tokens != req.num_tokens + len(outputs) - 1:
-            raise ValueError("a hand-off must hold the KV of every token but the last sampled")
-        if req.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        req.output_token_ids = outputs
-        if self.kv.allocate_slots(req, handoff.num_computed_tokens) is None:
-            raise KVPoolFullError(f"no room for {handoff.num_computed_tokens} tokens of KV now")
-        try:
-            self.runner.write_kv_blocks(self.kv.block_ids(req.request_id), handoff.kv)
-        except Exception:
-            self.kv.free(req.request_id)
-            raise
-        req.num_computed_tokens = handoff.num_computed_tokens
+        self.handoffs.place(handoff, req)
         self.enqueue(req)
         return req
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [self._finish_output(req) for req in done]
+        return [self.output_processor.finish_output(req) for req in done]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -348,20 +255,21 @@ class LLMEngine:
         # Requests the runner could not carry on end here; the update passes over them.
         outputs = self._fail_requests(result.failed)
         updated = self.scheduler.update_from_output(out, result)
-        outputs += [self._tokens_output(req, toks) if toks else self._finish_output(req)
-                    for req, toks in updated]
-        if handoffs := self._read_handoffs():
-            for o in outputs:  # not when a stop string ended it at its first token
-                h = handoffs.get(o.request_id)
-                if isinstance(h, str):
-                    o.finish_reason, o.error = "error", h
-                elif h is not None and o.finish_reason == "length":
-                    o.handoff = h
+        outputs += [self._step_output(req, toks) for req, toks in updated]
+        self.handoffs.attach(outputs)
         self._phase_times["update+detokenize"] += time.perf_counter() - t_update
-        self._record_step(out, result, time.perf_counter() - t0)
+        self._record_step(out, outputs, time.perf_counter() - t0)
         return outputs
 
-    def _record_step(self, out: SchedulerOutput, result: RunnerOutput, duration: float) -> None:
+    def _step_output(self, req: Request, toks: list[SampledToken]) -> RequestOutput:
+        """Decide whether ``req`` stops among the tokens it got (the scheduler learns it
+        here, once), and make its output."""
+        kept, stop = self.output_processor.find_stop(req, toks)
+        if stop is not None:
+            self.scheduler.stop_request(req, len(toks) - kept, stop)
+        return self.output_processor.step_output(req, toks[:kept])
+
+    def _record_step(self, out: SchedulerOutput, outputs: list[RequestOutput], duration: float) -> None:
         c = self.counters
         c.steps += 1
         c.preemptions += out.num_preempted
@@ -371,8 +279,9 @@ class LLMEngine:
             # What a decode or draft row costs a step, for the adaptive policy (prompt tokens
             # cost otherwise: no sampling, a different attention shape).
             sched.speculator.cost.observe(out.num_decodes, out.total_num_scheduled_tokens, duration)
-        drafting = out.drafting_request_ids
-        accepted = sum(max(len(result.tokens_of(rid)) - 1, 0) for rid in drafting)
+        drafting = out.drafts
+        # Drafts accepted: the tokens a drafting request kept beyond its own sample.
+        accepted = sum(max(len(o.new_token_ids) - 1, 0) for o in outputs if o.request_id in drafting)
         c.draft_tokens += out.num_draft_tokens
         c.accepted_draft_tokens += accepted
         c.speculative_steps += len(drafting)
@@ -386,75 +295,6 @@ class LLMEngine:
             num_speculating=len(drafting),
         )
 
-    def _tokens_output(self, req: Request, toks: list[SampledToken]) -> RequestOutput:
-        """The output of a step that gave ``req`` these tokens (several under speculative
-        decoding); a stop string among them ends the request there, and drops the rest."""
-        detok = self.detokenizers[req.request_id]
-        kept = []
-        for i, tok in enumerate(toks):
-            kept.append(tok)
-            # A token that ended the request (EOS, stop token; always the last) is not text.
-            ended_by_token = i == len(toks) - 1 and req.status == RequestStatus.FINISHED_STOPPED and not (
-                req.sampling_params.include_stop_str_in_output and req.stop_reason is not None)
-            stop_str = None if ended_by_token else detok.add_tokens([tok.token_id])
-            if stop_str is not None:
-                if dropped := len(toks) - 1 - i:
-                    del req.output_token_ids[-dropped:]
-                if req.status.finished:  # it also hit EOS or its length in this very token
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = stop_str
-                break
-        self.counters.generation_tokens += len(kept)
-        new_ids = [tok.token_id for tok in kept]
-        logprobs = [TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs or {})
-                    for tok in kept if tok.logprob is not None]
-        if req.status.finished:
-            return self._finish_output(req, new_ids, logprobs)
-        return self._output(req, new_ids, detok.take_delta(), logprobs)
-
-    def _finish_output(self, req: Request, new_ids: list[int] | None = None,
-                       logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        detok = self.detokenizers.pop(req.request_id)
-        if req.hand_off and req.status == RequestStatus.FINISHED_LENGTH:
-            # Its text goes on in another engine: a tail that may begin a stop string is held
-            # back for that engine to release (or cut).
-            delta = detok.take_delta()
-        else:
-            delta = detok.take_delta() + detok.flush()
-        reason = req.status.finish_reason
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        return self._output(req, new_ids or [], delta, logprobs or [], detok.output_text)
-
-    def _output(self, req: Request, new_ids, delta: str, logprobs, text: str | None = None) -> RequestOutput:
-        detok_text = text if text is not None else self.detokenizers[req.request_id].output_text
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
-            text=detok_text,
-            new_token_ids=new_ids,
-            new_text=delta,
-            new_logprobs=logprobs,
-            finished=req.status.finished,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_cached_prompt_tokens,
-            num_preemptions=req.num_preemptions,
-            times=req.times,
-            prompt_logprobs=self._prompt_logprobs(req),
-        )
-
-    @staticmethod
-    def _prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
-        """One entry per prompt token (None for the first, which nothing predicts), once the
-        whole prompt has been computed; None when not asked for or not complete yet."""
-        if req.sampling_params.prompt_logprobs is None or len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
-            return None
-        return [None] + [TokenLogprob(t, lp, top, rank) for t, (lp, top, rank) in
-                         zip(req.prompt_token_ids[1:], req.prompt_logprobs)]
-
     def _fail_step(self, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
         return self._fail_requests({rid: f"{type(exc).__name__}: {exc}" for rid in request_ids})
 
@@ -464,7 +304,7 @@ class LLMEngine:
             return []
         outputs = []
         for req in self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
-            o = self._finish_output(req)
+            o = self.output_processor.finish_output(req)
             o.error = errors[req.request_id]
             outputs.append(o)
         return outputs

@@ -109,7 +109,7 @@ class GrammarMasks:
         self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
 
     def advance(self, sampled: list[tuple[str, list[int]]]) -> dict[str, str]:
-        """Advance each (request id, tokens it got this step)'s matcher (here: a refused
+        """Advance each (request id, tokens it kept this step)'s matcher (here: a refused
         token must fail its own request in this step), then fill the masks of their next
         step in the background; the next ``apply`` collects them. Returns request id ->
         error for the requests whose token their grammar refused (a bug: the mask allowed it)."""
@@ -121,7 +121,7 @@ class GrammarMasks:
         accepted = iter(self._llexecutor.consume_token_par(single) if single else [])
         failed = {}
         for rid, matcher, tokens in work:
-            ok = next(accepted) if len(tokens) == 1 else matcher.consume_tokens(tokens)
+            ok = next(accepted) if len(tokens) == 1 else _consume_until_stopped(matcher, tokens)
             if not ok:
                 failed[rid] = f"tokens {tokens} broke its grammar: {matcher.get_error()}"
         for rid in failed:
@@ -137,3 +137,14 @@ class GrammarMasks:
         llguidance.torch.fill_next_token_bitmask_par(
             self._llexecutor, [(matcher, k) for k, (_, matcher) in enumerate(live)], masks)
         return _NextMasks(masks, {rid: k for k, (rid, _) in enumerate(live)}, dict(live))
+
+
+def _consume_until_stopped(matcher: llguidance.LLMatcher, tokens: list[int]) -> bool:
+    """Consume a request's tokens up to its grammar's end: accepted drafts may go on past the
+    EOS that completes it, and the request ends at that EOS (the output processor cuts it)."""
+    for token in tokens:
+        if matcher.is_stopped():
+            return True
+        if not matcher.consume_token(token):
+            return False
+    return True

@@ -145,17 +145,23 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def check_stop_token(self) -> bool:
-        """Finish on EOS / stop token / length after a token was appended."""
-        params = self.sampling_params
-        n_out = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
-        if ends_with_token(params, self.eos_token_ids, last, n_out):
-            self.status = RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids and not (last in self.eos_token_ids and _stops_at_eos(params)):
-                self.stop_reason = last
-            return True
-        if n_out >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Why a request ends: its finished status, and the stop token id or stop string."""
+
+    status: RequestStatus
+    reason: int | str | None = None
+
+
+def stop_by_token(req: Request, token: int, num_outputs: int) -> Stop | None:
+    """Whether ``token``, as output number ``num_outputs`` (counting it), ends ``req``: EOS,
+    a stop token (once ``min_tokens`` are out), or its length."""
+    params = req.sampling_params
+    if ends_with_token(params, req.eos_token_ids, token, num_outputs):
+        if token in params.stop_token_ids and not (token in req.eos_token_ids and _stops_at_eos(params)):
+            return Stop(RequestStatus.FINISHED_STOPPED, token)
+        return Stop(RequestStatus.FINISHED_STOPPED)
+    if num_outputs >= req.max_tokens:
+        return Stop(RequestStatus.FINISHED_LENGTH)
+    return None

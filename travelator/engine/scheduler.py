@@ -13,13 +13,14 @@ from collections.abc import Callable
 
 from travelator.config import SchedulerConfig
 from travelator.engine.block_manager import KVCacheManager, blocks_for
-from travelator.engine.request import Request, RequestStatus
-from travelator.engine.speculation import Speculator
+from travelator.engine.request import Request, RequestStatus, Stop
+from travelator.engine.speculation import Speculator, record_speculation
 from travelator.engine.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     RunnerOutput,
     SampledToken,
+    ScheduledDrafts,
     SchedulerOutput,
 )
 
@@ -67,7 +68,7 @@ class SchedulerBase:
         return None
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
-        """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
+        """Finish requests from outside the step (abort, error). Unknown ids are ignored."""
         assert status.finished
         done = []
         for rid in request_ids:
@@ -162,10 +163,7 @@ class SchedulerBase:
             drafts, k = self._drafts(req, budget)
             if k:
                 self._add_to_output(out, req, 1 + k, known)
-                if drafts:
-                    out.draft_token_ids[req.request_id] = drafts
-                else:
-                    out.num_model_drafts[req.request_id] = k
+                out.drafts[req.request_id] = ScheduledDrafts(k, drafts)
                 budget -= 1 + k
                 i += 1
                 continue
@@ -211,14 +209,6 @@ class SchedulerBase:
         if self.kv.num_free_blocks - extra < len(self.running) or self.kv.allocate_slots(req, req.num_tokens + k) is None:
             return [], 0
         return proposal[:k], k
-
-    def _record_speculation(self, req: Request, drafts: int, toks: list[SampledToken]) -> None:
-        """Drafts verified (or the step's free probe): how many the request's samples took."""
-        if drafts:
-            req.speculation.record(drafts, len(toks) - 1)
-        elif req.speculation_probe is not None:
-            req.speculation.record(1, int(toks[0].token_id == req.speculation_probe))
-        req.speculation_probe = None
 
     def _pick_victim(self, i: int) -> Request:
         """The request to preempt so that running[i] can go on.
@@ -301,12 +291,10 @@ class SchedulerBase:
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput
     ) -> list[tuple[Request, list[SampledToken]]]:
-        """Advance every scheduled request; append sampled tokens; finish those that stop.
-
-        Returns each scheduled request that got new tokens, with those it keeps (several
-        under speculative decoding, cut at the first that stops it), and each one that
-        finished its prompt with ``max_tokens=0`` (prompt only), with none.
-        """
+        """Advance every scheduled request and append the tokens it got. Returns each that got
+        tokens, with them (several under speculative decoding), and each that finished its
+        prompt with ``max_tokens=0``, with none: whether they stop is decided after
+        detokenizing (``OutputProcessor``), and comes back through ``stop_request``."""
         now = time.monotonic()
         updated = []
         for rid, n in out.num_scheduled_tokens.items():
@@ -324,34 +312,28 @@ class SchedulerBase:
                 continue  # a prompt chunk that does not reach the end of the prompt
             req.resumed_without_progress = False
             if req.max_tokens == 0:  # the prompt was all it asked for: drop the sample
-                assert req.num_computed_tokens == req.num_tokens
-                self._computed(req)
-                req.status = RequestStatus.FINISHED_LENGTH
-                if req.times.first_token is None:
-                    req.times.first_token = req.times.last_token = now
-                self.running.remove(req)
-                self._release(req)
-                updated.append((req, []))
-                continue
-            self._record_speculation(req, drafts, toks)
-            kept = []
-            for tok in toks:
-                req.append_output_token(tok.token_id)
-                kept.append(tok)
-                if req.check_stop_token():
-                    break
-            # Cut by a stop: its last kept token was an accepted draft, whose KV is valid.
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
-            assert req.status.finished or req.num_computed_tokens == req.num_tokens - 1
+                toks = []
+            else:
+                record_speculation(req, drafts, toks[0].token_id, len(toks) - 1)
+                for tok in toks:
+                    req.append_output_token(tok.token_id)
+            assert req.num_computed_tokens == req.num_tokens - bool(toks)
             self._computed(req)
             if req.times.first_token is None:
                 req.times.first_token = now
             req.times.last_token = now
-            if req.status.finished:
-                self.running.remove(req)
-                self._release(req)
-            updated.append((req, kept))
+            updated.append((req, toks))
         return updated
+
+    def stop_request(self, req: Request, num_dropped: int, stop: Stop) -> None:
+        """``req`` ends: its last ``num_dropped`` output tokens, which came after the one that
+        ended it, go; then it finishes as ``finish_requests`` does."""
+        if num_dropped:
+            del req.output_token_ids[-num_dropped:]
+        # Its last kept token may be an accepted draft, whose KV is valid.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+        req.stop_reason = stop.reason
+        self.finish_requests([req.request_id], stop.status)
 
 
 class IterationScheduler(SchedulerBase):

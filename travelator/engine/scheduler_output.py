@@ -31,6 +31,15 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class ScheduledDrafts:
+    """The drafts one request verifies this step: the scheduler's proposal (n-gram lookup),
+    or, with a draft model, none listed: the runner's draft model proposes ``num_tokens``."""
+
+    num_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -42,22 +51,17 @@ class SchedulerOutput:
     num_decodes: int = 0  # requests computing their last sampled token (and drafts, if any)
     num_prefill_tokens: int = 0  # tokens of prompts, or of outputs being recomputed
     prefill_request_ids: list[str] = field(default_factory=list)  # those computing such tokens
-    # Speculative decoding: request id -> draft tokens computed after its last sampled token
+    # Speculative decoding: request id -> the drafts it verifies after its last sampled token
     # (counted in its num_scheduled_tokens).
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # ...or, with a draft model, how many drafts the runner proposes for the request.
-    num_model_drafts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def drafting_request_ids(self) -> list[str]:
-        return [*self.draft_token_ids, *self.num_model_drafts]
+    drafts: dict[str, ScheduledDrafts] = field(default_factory=dict)
 
     def num_drafts(self, request_id: str) -> int:
-        return len(self.draft_token_ids.get(request_id, ())) or self.num_model_drafts.get(request_id, 0)
+        drafts = self.drafts.get(request_id)
+        return drafts.num_tokens if drafts is not None else 0
 
     @property
     def num_draft_tokens(self) -> int:
-        return sum(len(d) for d in self.draft_token_ids.values()) + sum(self.num_model_drafts.values())
+        return sum(d.num_tokens for d in self.drafts.values())
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -90,19 +94,17 @@ class PromptLogprobs:
 class RunnerOutput:
     """What one step of the model returns to the scheduler."""
 
-    # Request id -> its new token, for every request whose scheduled tokens reached the end of
-    # its known tokens; a prompt chunk that stops short of the end samples nothing.
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Request id -> the tokens it kept this step, in order: its sample, or under speculative
+    # decoding the drafts its own samples agreed with and then its own sample. Only requests
+    # whose scheduled tokens reached the end of their known tokens: a prompt chunk that stops
+    # short samples nothing. Whether a request stops among them is not decided here.
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Request id -> the prompt logprobs this step computed, for requests that asked for them.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
-    # Speculative decoding: request id -> the tokens it got after the first one (accepted
-    # drafts, then the runner's own sample where it disagreed or after the last draft).
-    more_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # Request id -> why it cannot go on (its sampled token broke its grammar): the engine
     # ends these requests with an error; the others of the step go on.
     failed: dict[str, str] = field(default_factory=dict)
 
     def tokens_of(self, request_id: str) -> list[SampledToken]:
         """Every token ``request_id`` got this step, in order (none: a prompt chunk)."""
-        first = self.sampled.get(request_id)
-        return [] if first is None else [first, *self.more_sampled.get(request_id, ())]
+        return self.sampled.get(request_id, [])

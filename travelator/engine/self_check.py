@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from travelator.engine.block_manager import BlockAccountingError
+from travelator.engine.block_manager import BlockAccountingError, KVCacheManager
 
 if TYPE_CHECKING:
     from travelator.engine.engine import LLMEngine
@@ -23,11 +23,47 @@ def engine_self_check(engine: LLMEngine) -> dict:
     ``leaked_blocks`` counts used blocks that no live request holds; at rest (``idle``) every
     used block is leaked.
     """
-    kv = engine.kv
     sched = engine.scheduler
     live = set(sched.requests)
-    owners = kv.owners()
     problems: list[str] = []
+    kv_report = _kv_report(engine.kv, live, problems)
+    queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
+    if queued != live:
+        problems.append(f"requests in no queue: {sorted(live - queued)}; "
+                        f"queued but unknown: {sorted(queued - live)}")
+    detokenizers = engine.output_processor.detokenizers
+    stale_detok = sorted(set(detokenizers) - live)
+    if stale_detok:
+        problems.append(f"detokenizers of finished requests: {stale_detok[:10]}")
+    runner_states = _runner_states(engine, live, problems)
+    c = engine.counters
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "idle": not live,
+        "kv": kv_report,
+        "requests": {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "unfinished": len(live),
+            "running_ids": [r.request_id for r in sched.running],
+            "waiting_ids": [r.request_id for r in sched.waiting],
+        },
+        "detokenizers": len(detokenizers),
+        "runner_states": runner_states,
+        "counters": {
+            "steps": c.steps,
+            "preemptions": c.preemptions,
+            "prompt_tokens": c.prompt_tokens,
+            "generation_tokens": c.generation_tokens,
+            "finished": dict(c.finished),
+        },
+    }
+
+
+def _kv_report(kv: KVCacheManager, live: set[str], problems: list[str]) -> dict:
+    """The KV pool's accounting; what does not add up goes to ``problems``."""
+    owners = kv.owners()
     try:
         kv.check_consistency()
         consistency = "ok"
@@ -44,46 +80,16 @@ def engine_self_check(engine: LLMEngine) -> dict:
     leaked = used - len(held)
     if leaked:
         problems.append(f"{leaked} used blocks held by no live request")
-    queued = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
-    if queued != live:
-        problems.append(f"requests in no queue: {sorted(live - queued)}; "
-                        f"queued but unknown: {sorted(queued - live)}")
-    stale_detok = sorted(set(engine.detokenizers) - live)
-    if stale_detok:
-        problems.append(f"detokenizers of finished requests: {stale_detok[:10]}")
-    runner_states = _runner_states(engine, live, problems)
-    c = engine.counters
     return {
-        "ok": not problems,
-        "problems": problems,
-        "idle": not live,
-        "kv": {
-            "total_blocks": total,
-            "free_blocks": free,
-            "used_blocks": used,
-            "cached_blocks": kv.num_cached_blocks,
-            "block_size": kv.block_size,
-            "free_plus_used_equals_total": free + used == total,
-            "leaked_blocks": leaked,
-            "owners": owners,
-            "consistency": consistency,
-        },
-        "requests": {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "unfinished": len(live),
-            "running_ids": [r.request_id for r in sched.running],
-            "waiting_ids": [r.request_id for r in sched.waiting],
-        },
-        "detokenizers": len(engine.detokenizers),
-        "runner_states": runner_states,
-        "counters": {
-            "steps": c.steps,
-            "preemptions": c.preemptions,
-            "prompt_tokens": c.prompt_tokens,
-            "generation_tokens": c.generation_tokens,
-            "finished": dict(c.finished),
-        },
+        "total_blocks": total,
+        "free_blocks": free,
+        "used_blocks": used,
+        "cached_blocks": kv.num_cached_blocks,
+        "block_size": kv.block_size,
+        "free_plus_used_equals_total": free + used == total,
+        "leaked_blocks": leaked,
+        "owners": owners,
+        "consistency": consistency,
     }
 
 

@@ -106,6 +106,15 @@ def _det3(m: list[list[float]]) -> float:
             + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
+def record_speculation(req: Request, num_drafts: int, first_token: int, num_accepted: int) -> None:
+    """Drafts verified (or the step's free probe): how many the request's samples took."""
+    if num_drafts:
+        req.speculation.record(num_drafts, num_accepted)
+    elif req.speculation_probe is not None:
+        req.speculation.record(1, int(first_token == req.speculation_probe))
+    req.speculation_probe = None
+
+
 class Speculator:
     def __init__(self, num_tokens: int, ngram_min: int, ngram_max: int, adaptive: bool,
                  saturation_rows: int, by_model: bool = False) -> None:

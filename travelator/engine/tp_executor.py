@@ -27,13 +27,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from travelator.config import ModelConfig, ParallelConfig
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.model_runner import ModelRunner
+from travelator.engine.model_runner import ModelRunner, RunnerSettings
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
 from travelator.engine.tp_worker import STOP, TPWorkerSpec, Worker, check_gpu_for_rank, rank_device, run_worker
@@ -50,10 +49,8 @@ class TensorParallelError(RuntimeError):
 
 
 def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
-                  weights: WeightIterator | None, *, dtype: torch.dtype, kv_dtype: torch.dtype,
-                  device: torch.device, max_model_len: int, seed: int,
-                  eos_token_ids: frozenset[int], grammars: GrammarCompiler | None = None,
-                  draft: ModelSource | None = None) -> Executor:
+                  weights: WeightIterator | None, settings: RunnerSettings, *,
+                  grammars: GrammarCompiler | None = None, draft: ModelSource | None = None) -> Executor:
     """A plain ModelRunner for one rank, or the driver of a tensor-parallel group.
 
     Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), every rank but 0
@@ -63,12 +60,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     size = parallel.tensor_parallel_size
     env = launch_env()
     if env is None and size == 1:
-        return ModelRunner(arch, weights, dtype=dtype, kv_dtype=kv_dtype, device=device,
-                           max_model_len=max_model_len, seed=seed, eos_token_ids=eos_token_ids,
-                           kernels=model.kernels, batch_invariant=model.batch_invariant,
-                           grammars=grammars, draft=draft, quantization=model.quantization,
-                           quantization_group_size=model.quantization_group_size,
-                           lm_head_quantization=model.lm_head_quantization)
+        return ModelRunner(model, arch, weights, settings, grammars=grammars, draft=draft)
     check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
@@ -76,10 +68,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     if env is not None and env.rank != 0:
         run_worker(env)
         raise SystemExit(0)
-    spec = TPWorkerSpec(model.model, model.load_format, dtype, kv_dtype, device.type,
-                        max_model_len, seed, eos_token_ids, model.kernels, model.batch_invariant,
-                        model.quantization, model.quantization_group_size, model.lm_head_quantization)
-    return TPExecutor(spec, arch, weights, size, env, grammars)
+    return TPExecutor(TPWorkerSpec(model, settings), arch, weights, size, env, grammars)
 
 
 class _Group:
@@ -132,6 +121,7 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _close, self._g)
         self._error: str | None = None
         self._sampled: list[tuple[str, int]] = []
+        self.runner: ModelRunner | None = None  # the driver's own shard, once the group is up
         try:
             self._start(spec, arch, weights, env)
         except BaseException as exc:
@@ -165,13 +155,7 @@ class TPExecutor:
         group.broadcast_object(spec)
         device = rank_device(spec.device_type, local_rank)
         self._watched(lambda: group.connect_data(device))
-        self.runner = ModelRunner(
-            arch, weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
-            max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
-            kernels=spec.kernels, batch_invariant=spec.batch_invariant, grammars=self._grammars,
-            tp=group, quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
-            lm_head_quantization=spec.lm_head_quantization,
-        )
+        self.runner = ModelRunner(spec.model, arch, weights, spec.on(device), tp=group, grammars=self._grammars)
         self.worker = Worker(self.runner)
         if device.type == "cuda" and self._g.procs:
             threading.Thread(target=self._watch_workers, name="travelator-tp-watch",
@@ -277,7 +261,7 @@ class TPExecutor:
                 result = self.runner.execute(out)
             except Exception as exc:
                 raise self._broken(exc) from exc
-            self._sampled = [(rid, tok.token_id) for rid in result.sampled for tok in result.tokens_of(rid)]
+            self._sampled = [(rid, tok.token_id) for rid, toks in result.sampled.items() for tok in toks]
             return result
 
     @property
@@ -316,4 +300,5 @@ class TPExecutor:
             if self._error is None:
                 self._error = "the tensor-parallel engine has been shut down"
         self._finalizer()
-        self.runner.shutdown()  # a group that failed to start raised from __init__: it has one
+        if self.runner is not None:  # not when the group failed to start
+            self.runner.shutdown()

@@ -11,6 +11,7 @@ every rank but 0 into a worker (see tp_executor.make_executor).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from travelator.engine.model_runner import ModelRunner
+from travelator.config import ModelConfig
+from travelator.engine.model_runner import ModelRunner, RunnerSettings
 from travelator.engine.scheduler_output import SchedulerOutput
 from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
 from travelator.model.tp_group import TPGroup
@@ -36,19 +38,15 @@ STOP = "stop"  # the method name of the last message
 class TPWorkerSpec:
     """What a worker needs to build its shard; sent by the driver once, after rendezvous."""
 
-    model: str
-    load_format: str
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    device_type: str
-    max_model_len: int
-    seed: int
-    eos_token_ids: frozenset[int]
-    kernels: str
-    batch_invariant: bool
-    quantization: str = "auto"
-    quantization_group_size: int = 128
-    lm_head_quantization: str = "auto"
+    model: ModelConfig
+    settings: RunnerSettings  # the driver's: each rank runs on its own device of this type
+
+    @property
+    def device_type(self) -> str:
+        return self.settings.device.type
+
+    def on(self, device: torch.device) -> RunnerSettings:
+        return dataclasses.replace(self.settings, device=device)
 
 
 def check_gpu_for_rank(device_type: str, local_rank: int) -> None:
@@ -86,17 +84,7 @@ class Worker:
         this rank's copies of the sequences before the step's changes apply, exactly as
         they extended the driver's when it sampled them.
         """
-        r = self.runner
-        for rid, token in sampled:
-            r.states[rid].token_ids.append(token)
-        r._apply_changes(out)
-        if out.is_empty:
-            return
-        inputs = r._prepare(out, out.draft_token_ids)  # speculative decoding is single-rank for now: none
-        hidden = r.model(inputs.input_ids, inputs.positions, r.kv_caches, inputs.meta)
-        if inputs.sampled_ids:  # this rank's vocabulary slice of the logits goes to the driver
-            r.model.compute_logits(inputs.sampled_rows(hidden))
-        r.compute_prompt_logprobs(hidden, inputs)  # the same gathers, in the same order
+        self.runner.follow(out, sampled)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size)
@@ -148,14 +136,8 @@ def run_worker(env: LaunchEnv | None = None) -> None:
 
     from travelator.model.loader import open_model
 
-    source = open_model(spec.model, spec.load_format)
-    runner = ModelRunner(
-        source.arch, source.weights, dtype=spec.dtype, kv_dtype=spec.kv_dtype, device=device,
-        max_model_len=spec.max_model_len, seed=spec.seed, eos_token_ids=spec.eos_token_ids,
-        kernels=spec.kernels, batch_invariant=spec.batch_invariant,
-        tp=group, quantization=spec.quantization, quantization_group_size=spec.quantization_group_size,
-        lm_head_quantization=spec.lm_head_quantization,
-    )
+    source = open_model(spec.model.model, spec.model.load_format)
+    runner = ModelRunner(spec.model, source.arch, source.weights, spec.on(device), tp=group)
     worker = Worker(runner)
     while True:
         method, args, reply = group.broadcast_object()
