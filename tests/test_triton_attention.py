@@ -119,3 +119,10 @@ def test_the_triton_path_is_refused_on_a_cpu_outside_the_interpreter(monkeypatch
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="runs on a CUDA device"):
         make_ops("triton", torch.device("cpu"))
+
+
+def test_an_int8_kv_cache_on_the_triton_path_is_refused_at_start():
+    from travelator import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype int8"):
+        LLM("dummy:tiny", device=DEVICE, kernels="triton", kv_cache_dtype="int8")

@@ -54,6 +54,9 @@ class ModelRunner:
         self.kv_dtype = settings.kv_dtype
         self.eos_token_ids = settings.eos_token_ids
         self.ops = make_ops(config.kernels, device, batch_invariant=config.batch_invariant)
+        if self.ops.attention_backend == "triton" and self.kv_dtype == torch.int8:
+            raise ValueError("kv_cache_dtype int8 runs on the CPU kernels; the Triton attention "
+                             "reads float caches (kv_cache_dtype auto)")
         # Tensor parallelism: this rank's shard of the weights and of the KV heads.
         self.tp_size = tp.size if tp is not None else 1
         if tp is not None and config.batch_invariant:
