@@ -4,7 +4,7 @@
 
 Needs only this checkout, torch with CUDA and triton (nothing is downloaded). It runs:
 
-1. the Triton kernels' tests compiled for the GPU (``tests/test_triton_attention.py`` picks
+1. the Triton kernels' tests compiled for the GPU (``tests/kernels/test_triton_attention.py`` picks
    the GPU when there is one), so a kernel that the interpreter accepts but the compiler
    rejects, or that computes differently with tensor cores, shows here;
 2. the GPU's copy bandwidth (1 GiB copied device to device: 2 GiB moved), the bound of every
@@ -96,7 +96,7 @@ def main() -> None:
     rows.append(("triton", triton.__version__))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_triton_attention.py"],
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels/test_triton_attention.py"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     rows.append(("Triton kernel tests on the GPU", tests.stdout.strip().splitlines()[-1]))
     bandwidth = copy_bandwidth()

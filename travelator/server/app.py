@@ -21,7 +21,7 @@ JSON body (see ``errors.py``).
 
 The completion endpoints read and validate their bodies themselves (``read_body``), so the
 OpenAPI schema is told about the bodies explicitly (``_body_schema``): clients and fuzzers
-(tests/test_fuzz_api.py) generate requests from ``/openapi.json``.
+(tests/server/test_fuzz_api.py) generate requests from ``/openapi.json``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from travelator.server.process import ServerProcess, free_port, serve_command
 
 pytestmark = needs_stories
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 0.5
 
 

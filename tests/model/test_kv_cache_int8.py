@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from paths import STORIES, STORIES_EXPECTED, needs_stories
-from test_attention_kernel import attend, random_requests, reference
+from attention_reference import attend, random_requests, reference
 from test_quantization import compare, sequence_logprobs
 
 from travelator import LLM, SamplingParams, kernels

@@ -25,7 +25,7 @@ FAMILIES = {
     # not hidden / heads (Qwen3-0.6B: 1024 / 16 heads with head_dim 128).
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
     # Fused QKV and gate/up tensors, partial rotary, LongRoPE's short factors (the context stays
-    # within the pretraining length; tests/test_phi3.py takes the long ones).
+    # within the pretraining length; tests/model/test_phi3.py takes the long ones).
     "phi3": phi3_overrides(original=512, maximum=512, head_dim=16),
     # Sandwich and unit-offset norms (random here: transformers initialises them to zero), head
     # q/k norms, GeGLU, the scaled embedding, query_pre_attn_scalar, a rope per kind of layer,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "travelator"
+PACKAGE = Path(__file__).resolve().parents[2] / "travelator"
 CLIENT_SIDE = ("server", "dashboard")
 # The concrete engines, and the modules that hold them.
 ENGINE_CLASSES = {"LLMEngine", "AsyncEngine", "DisaggregatedFrontEnd"}

@@ -2,7 +2,7 @@
 request validated is the one queued), and the snapshot reads what the engine holds.
 
 The disaggregated front end starts worker processes, so it is checked here by its shape (every
-member of the protocol, with the protocol's parameters); tests/test_disaggregation.py serves
+member of the protocol, with the protocol's parameters); tests/disagg/test_disaggregation.py serves
 through it."""
 
 from __future__ import annotations

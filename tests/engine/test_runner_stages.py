@@ -15,7 +15,7 @@ from travelator.model.ops import make_ops
 from travelator.model.sampler import SamplerOutput
 from travelator.sampling_params import SamplingParams
 
-PACKAGE = Path(__file__).resolve().parent.parent / "travelator"
+PACKAGE = Path(__file__).resolve().parents[2] / "travelator"
 
 
 def test_accept_drafts_keeps_agreeing_drafts_then_the_own_sample():

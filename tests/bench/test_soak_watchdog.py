@@ -31,7 +31,7 @@ from travelator.server.settings import ServerSettings
 
 pytestmark = needs_stories
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time"
 
 

@@ -1,20 +1,16 @@
 """The Triton paged attention and KV write against the float64 reference that checks the CPU
-kernel. Without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``), on the CPU."""
+kernel. Without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``, which
+conftest.py sets before anything imports triton), on the CPU."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from attention_reference import make_cache, random_requests, reference
 
-if not torch.cuda.is_available():  # before the kernels are defined: the interpreter runs them
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from test_attention_kernel import make_cache, random_requests, reference  # noqa: E402
-
-from travelator.kernels import triton_attention  # noqa: E402
+from travelator.kernels import triton_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
