@@ -16,6 +16,7 @@ from paths import STORIES, needs_stories
 from live import serve_in_thread
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
+from travelator.engine.request import RequestSpec
 from travelator.engine.self_check import engine_self_check
 from travelator.server.app import build_app
 from travelator.server.settings import ServerSettings
@@ -68,7 +69,7 @@ def live_server(llm: LLM, **settings):
 def _leak_two_blocks(llm: LLM) -> str:
     """Take KV blocks for a request the scheduler never heard of: a leak, as a bug would make."""
     engine = llm.engine
-    req = engine.make_request(list(range(1, 21)), request_id="leaky")
+    req = engine.make_request(RequestSpec(list(range(1, 21)), request_id="leaky"))
     assert engine.kv.allocate_slots(req, 20) is not None  # 20 tokens: 2 blocks of 16
     return req.request_id
 

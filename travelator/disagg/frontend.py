@@ -224,8 +224,7 @@ class DisaggregatedFrontEnd:
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, spec: RequestSpec) -> Request:
-        return self._requests.make_request(spec.prompt, spec.params, spec.request_id, spec.priority,
-                                           spec.cache_salt)
+        return self._requests.make_request(spec)
 
     def submit(self, request: Request) -> asyncio.Queue:
         if not self.healthy:

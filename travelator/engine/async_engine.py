@@ -130,8 +130,7 @@ class AsyncEngine:
     # ---- requests -------------------------------------------------------------------
     def make_request(self, spec: RequestSpec) -> Request:
         """Validate and tokenise (raising InvalidRequestError); changes no engine state."""
-        return self.engine.make_request(spec.prompt, spec.params, spec.request_id, spec.priority,
-                                        spec.cache_salt)
+        return self.engine.make_request(spec)
 
     def submit(self, request: Request) -> asyncio.Queue:
         """Queue a request from ``make_request``; returns its output queue."""

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from travelator.engine.engine import EngineCounters, StepStats
-from travelator.sampling_params import SamplingParams
+from travelator.engine.request import RequestSpec
 
 if TYPE_CHECKING:
     from travelator.engine.engine import LLMEngine
@@ -46,19 +46,6 @@ DeathListener = Callable[[BaseException], None]
 
 class EngineDeadError(RuntimeError):
     """The engine has stopped (or is shutting down); no request can be served."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request as a caller states it; ``make_request`` turns it into a validated ``Request``.
-    ``request_id`` None: the engine picks one. ``cache_salt`` keeps the request's prefix-cache
-    blocks apart from requests with another salt (or none)."""
-
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    request_id: str | None = None
-    priority: int = 0
-    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from travelator.engine.kv_handoff import KVHandoff, KVHandoffs
 from travelator.engine.model_runner import RunnerSettings
 from travelator.engine.output_processor import OutputProcessor
 from travelator.engine.outputs import RequestOutput
-from travelator.engine.request import Request, RequestStatus
+from travelator.engine.request import Request, RequestSpec, RequestStatus
 from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
@@ -147,16 +147,9 @@ class LLMEngine:
     def make_request_id(self) -> str:
         return self.request_factory.make_request_id()
 
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> Request:
+    def make_request(self, spec: RequestSpec) -> Request:
         """Validate and tokenise (``RequestFactory.make_request``); changes no engine state."""
-        return self.request_factory.make_request(prompt, params, request_id, priority, cache_salt)
+        return self.request_factory.make_request(spec)
 
     def enqueue(self, req: Request) -> None:
         """Queue a request made by make_request (on the thread that steps the engine)."""
@@ -181,7 +174,8 @@ class LLMEngine:
         then carries the request's KV (``RequestOutput.handoff``) for another engine's
         ``add_handoff`` to continue it (unless it already ended at its first token).
         """
-        req = self.make_request(prompt, params, request_id, priority, cache_salt)
+        req = self.make_request(RequestSpec(prompt, params or SamplingParams(), request_id, priority,
+                                             cache_salt))
         if hand_off:
             self.handoffs.prepare(req)
         self.enqueue(req)
@@ -194,8 +188,8 @@ class LLMEngine:
         here now, and it joins the queue as a decode. ``params`` are the request's own
         (the prefill engine stopped it after one token). Raises KVPoolFullError, changing
         nothing, when the pool has no room for it now (retry after a step)."""
-        req = self.make_request(handoff.prompt_token_ids, params, request_id or handoff.request_id, priority,
-                                handoff.cache_salt)
+        req = self.make_request(RequestSpec(handoff.prompt_token_ids, params,
+                                            request_id or handoff.request_id, priority, handoff.cache_salt))
         self.handoffs.place(handoff, req)
         self.enqueue(req)
         return req

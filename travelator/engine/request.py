@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from travelator.sampling_params import SamplingParams
@@ -33,6 +34,19 @@ _FINISHED = {
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_ERROR,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request as a caller states it; ``make_request`` turns it into a validated ``Request``.
+    ``request_id`` None: the engine picks one. ``cache_salt`` keeps the request's prefix-cache
+    blocks apart from requests with another salt (or none)."""
+
+    prompt: str | Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

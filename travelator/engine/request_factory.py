@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.request import Request
+from travelator.engine.request import Request, RequestSpec
 from travelator.errors import ContextLengthError, InvalidRequestError
 from travelator.model.tokenizer import Tokenizer
 from travelator.sampling_params import SamplingParams
@@ -29,23 +29,14 @@ class RequestFactory:
     def make_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def make_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> Request:
+    def make_request(self, spec: RequestSpec) -> Request:
         """Validate and tokenise; changes no engine state, so any thread may call it.
 
         Raises InvalidRequestError (a ValueError) naming the field at fault on bad input.
-        ``cache_salt`` keeps the request's prefix-cache blocks apart from requests with
-        another salt (or none).
         """
-        params = params or SamplingParams()
+        params = spec.params
         params.validate()
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = self._prompt_token_ids(spec.prompt)
         vocab = self.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
@@ -55,13 +46,13 @@ class RequestFactory:
             # when the server compiled it already).
             self.grammars.compile(params.structured)
         return Request(
-            request_id=request_id or self.make_request_id(),
+            request_id=spec.request_id or self.make_request_id(),
             prompt_token_ids=token_ids,
             sampling_params=params,
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            cache_salt=cache_salt,
+            priority=spec.priority,
+            cache_salt=spec.cache_salt,
         )
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
