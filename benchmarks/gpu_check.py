@@ -59,6 +59,7 @@ def attention_case(context: int, decodes: int, prefill_chunks: int, chunk: int) 
     import torch
 
     from travelator.kernels import triton_attention
+    from travelator.model.attention import build_metadata
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     query_lens = [1] * decodes + [chunk] * prefill_chunks
@@ -68,18 +69,16 @@ def attention_case(context: int, decodes: int, prefill_chunks: int, chunk: int) 
     random.Random(0).shuffle(blocks)
     tables, at = [], 0
     for n in need:
-        tables.append(blocks[at:at + n] + [0] * (max(need) - n))
+        tables.append(blocks[at:at + n])
         at += n
     cache_shape = (len(blocks), kv_heads, block_size, head_dim)
     k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(sum(query_lens), heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    as_long = dict(dtype=torch.long, device="cuda")
-    args = (q, k_cache, v_cache, torch.tensor(starts, **as_long), torch.tensor(seq_lens, **as_long),
-            torch.tensor(tables, **as_long), head_dim**-0.5, 0, max(query_lens), max(seq_lens))
+    meta = build_metadata("triton", torch.empty(0, dtype=torch.long), query_lens,
+                          [context] * len(query_lens), tables, block_size, torch.device("cuda"))
+    args = (q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables,
+            head_dim**-0.5, 0, meta.max_query_len, meta.max_seq_len)
     seconds = timed(lambda: triton_attention.paged_attention(*args))
     kv_bytes = sum(seq_lens) * kv_heads * head_dim * 2 * 2  # keys and values, bf16
     return dict(seconds=seconds, kv_bytes=kv_bytes)

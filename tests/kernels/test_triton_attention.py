@@ -11,22 +11,20 @@ import torch
 from attention_reference import make_cache, random_requests, reference
 
 from travelator.kernels import triton_attention
+from travelator.model.attention import build_metadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(q, k_cache, v_cache, reqs, scale, window=None):
-    """The kernel over ``reqs`` ((context, query_len, block table) in batch order)."""
-    width = max(len(t) for _, _, t in reqs)
-    starts = [0]
-    for _, n, _ in reqs:
-        starts.append(starts[-1] + n)
-    as_long = dict(dtype=torch.long, device=DEVICE)
+    """The kernel over ``reqs`` ((context, query_len, block table) in batch order), with the
+    metadata the engine builds for it."""
+    meta = build_metadata("triton", torch.empty(0, dtype=torch.long), [n for _, n, _ in reqs],
+                          [c for c, _, _ in reqs], [t for _, _, t in reqs], k_cache.shape[2],
+                          torch.device(DEVICE))
     out = triton_attention.paged_attention(
-        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), torch.tensor(starts, **as_long),
-        torch.tensor([c + n for c, n, _ in reqs], **as_long),
-        torch.tensor([t + [0] * (width - len(t)) for _, _, t in reqs], **as_long),
-        scale, window or 0, max(n for _, n, _ in reqs), max(c + n for c, n, _ in reqs))
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta.query_start, meta.seq_lens,
+        meta.block_tables, scale, window or 0, meta.max_query_len, meta.max_seq_len)
     return out.cpu()
 
 

@@ -167,7 +167,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d_pad = max(_MIN_ROWS, triton.next_power_of_2(head_dim))
     num_seqs = seq_lens.shape[0]
     splits = triton.cdiv(max_seq_len, KEYS_PER_SPLIT) if max_query_len == 1 else 1
-    num_splits = triton.next_power_of_2(splits)  # the merge kernel's vector width
+    num_splits = triton.next_power_of_2(splits)  # the merge kernel's vector width (1: no split)
     out = torch.empty_like(q)
     if splits > 1:  # every (row, head, split) is written, empty splits as max -inf, sum 0
         parts = tokens * num_heads * num_splits
@@ -179,7 +179,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiles = tokens // block_q + num_seqs
     # Triton's interpreter multiplies 16-bit floats wrongly: it computes in float32 instead.
     dot = tl.float32 if q.dtype == torch.float32 or _interpreting() else _TL_DTYPES[q.dtype]
-    _paged_attention_kernel[(tiles, num_kv_heads, num_splits if splits > 1 else 1)](
+    _paged_attention_kernel[(tiles, num_kv_heads, num_splits)](
         out, q, k_cache, v_cache, query_start, seq_lens, block_tables,
         part_acc, part_max, part_sum,
         scale, num_seqs, window, num_heads,
@@ -187,7 +187,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         KEYS_PER_SPLIT // BLOCK_N if splits > 1 else triton.cdiv(max_seq_len, BLOCK_N),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits if splits > 1 else 1,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
     )
     if splits > 1:
