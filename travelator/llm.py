@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine = LLMEngine(engine_config(model, **kwargs))
+        print(f"travelator: {self.engine.summary}", file=sys.stderr, flush=True)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self) -> Tokenizer:

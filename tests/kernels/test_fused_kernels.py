@@ -309,3 +309,26 @@ def test_native_bf16_linear_against_float64(bf16_gemm, rows, biased):
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
         # float32 sums, then one bf16 rounding: within a few bf16 ulps of the exact value.
         torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("biased", [False, True])
+def test_native_float32_linear_is_packed(rows, biased):
+    """A float32 weight takes oneDNN's packed float32 GEMM (not F.linear on the natural
+    layout, which reorders the weight at every call), with float32's own accuracy, and the
+    native layer stack does not stream it (its streaming kernel reads bf16 weights)."""
+    from travelator.model.linear_route import LinearRoute
+    from travelator.model.ops import NativeOps
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g)
+    bias = torch.randn(200, generator=g) if biased else None
+    x = torch.randn(rows, 96, generator=g)
+    native = NativeOps()
+    native.prepare([w])
+    assert native.linear_route(w) is LinearRoute.ONEDNN_FLOAT32
+    assert native.streaming_linear(w, None) is None
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    y = native.linear(x, w, bias)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)

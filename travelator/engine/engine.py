@@ -25,6 +25,7 @@ from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import SampledToken, SchedulerOutput
 from travelator.engine.step_stats import EngineCounters, StepStats
+from travelator import kernels
 from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.sampling_params import SamplingParams
@@ -42,7 +43,8 @@ class LLMEngine:
         self.arch = source.arch
         self.tokenizer = source.tokenizer
         self.device = pick_device(mc.device)
-        dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device)
+        dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device,
+                              native_cpu_kernels=self._native_cpu_kernels())
         kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
@@ -75,17 +77,22 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.last_schedule: SchedulerOutput | None = None  # what that step ran (the live view reads it)
         self._phase_times = {"schedule": 0.0, "update+detokenize": 0.0}
-        logger.info(
-            "model %s (%s, %.1fM parameters, %s) on %s; KV pool %d blocks x %d tokens; context %d",
-            self.model_name, self.arch.family, self.arch.num_parameters / 1e6, dtype,
-            self.device, num_blocks, block_size, self.max_model_len,
-        )
+        # What the defaults chose here: the line LLM and the CLI print once at start-up.
+        self.summary = (f"model {self.model_name} ({self.arch.family}, {self.arch.num_parameters / 1e6:.1f}M "
+                        f"parameters): {self.runner.describe()}; KV pool {num_blocks} blocks x {block_size} "
+                        f"tokens; context {self.max_model_len}")
+        logger.info("%s", self.summary)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
         self.runner.shutdown()
 
     # ---- set-up --------------------------------------------------------------------
+    def _native_cpu_kernels(self) -> bool:
+        """Whether the model will run on the native CPU kernels (model/ops.py's make_ops)."""
+        setting = self.config.model.kernels
+        return self.device.type == "cpu" and setting in ("auto", "native") and kernels.available()
+
     def _draft_source(self) -> ModelSource | None:
         """The draft model of speculative decoding, when it has one: same vocabulary."""
         name = self.config.scheduler.draft_model

@@ -24,6 +24,10 @@ class Executor(Protocol):
         """Allocate the paged KV cache (on every rank)."""
         ...
 
+    def describe(self) -> str:
+        """The dtype and kernel routes chosen (the driver's rank), in one line."""
+        ...
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Apply the step's changes (even an empty step carries freed ids) and run it."""
         ...

@@ -29,6 +29,7 @@ from travelator.model.host_memory import retain_freed_memory
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource, WeightIterator
 from travelator.model.ops import TorchOps, make_ops
+from travelator.model.run_summary import describe_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,10 @@ class ModelRunner:
         self.batch.block_size = block_size
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks, block_size)
+
+    def describe(self) -> str:
+        """The dtype and kernel routes this runner chose, in one line (printed at start-up)."""
+        return describe_run(self.ops, self.model.linear_weights(), self.dtype, self.kv_dtype, self.device)
 
     # ---- KV hand-off (prefill/decode disaggregation) ---------------------------------
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:

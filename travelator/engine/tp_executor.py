@@ -252,6 +252,9 @@ class TPExecutor:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.call("allocate_kv_cache", num_blocks, block_size)
 
+    def describe(self) -> str:
+        return f"{self.runner.describe()}; tensor parallel over {self.size} ranks"
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         with self._g.lock:
             self._ensure_alive()

@@ -36,16 +36,20 @@ def cpu_model_name() -> str:
         return "unknown CPU"
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """"auto" keeps a float32 checkpoint in float32 and otherwise prefers bfloat16
-    where the hardware runs it natively (CUDA, CPUs with AVX-512/AMX)."""
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device,
+                  native_cpu_kernels: bool = True) -> torch.dtype:
+    """"auto" keeps a float32 checkpoint in float32 and otherwise takes bfloat16 wherever
+    it is the faster format: on CUDA, and on every CPU the native kernels run on. Where the
+    CPU has no bf16 GEMM (AVX2 machines) those kernels still store bf16 and compute in float32
+    (model/native_linear.py), which reads half the bytes of float32 weights; only torch's
+    own bf16 matmul, without the native kernels, is slower than float32 there."""
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
         return _DTYPES[requested]
     if checkpoint_dtype == "float32":
         return torch.float32
-    if device.type == "cuda" or cpu_has_native_bf16():
+    if device.type == "cuda" or native_cpu_kernels or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
 

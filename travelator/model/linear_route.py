@@ -1,8 +1,8 @@
 """How a linear layer's weight is multiplied, decided once when the weight is prepared.
 
 The names and values are ``csrc/linear_route.h``'s (the native layer stack reads them as
-integers); a test checks that the two agree. A weight with no route (not prepared: a float32
-model, a GPU, no oneDNN) runs through ``F.linear`` as it was loaded.
+integers); a test checks that the two agree. A weight with no route (not prepared: a GPU,
+no oneDNN, float16) runs through ``F.linear`` as it was loaded.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ class LinearRoute(IntEnum):
     INT4 = 2
     # bf16 weight laid out for blocked_linear, at every row count.
     BLOCKED = 3
-    # bf16 weight with a oneDNN-packed float32 copy (no bf16 GEMM on this CPU); a few rows
-    # stream as ONEDNN_BF16.
+    # bf16 weight with a oneDNN-packed float32 copy (no bf16 GEMM on this CPU; a few rows
+    # stream as ONEDNN_BF16), or a float32 weight with its packed copy.
     ONEDNN_FLOAT32 = 4
 
     @property

@@ -4,7 +4,8 @@
 multiplies: laid out in blocks of 64 columns for travelator's own ``blocked_linear`` on CPUs
 with AVX512-BF16 and no AMX (faster than oneDNN there at a decode step's rows), pre-packed for
 oneDNN elsewhere (so no linear layer reorders its weight at every call), or widened to float32
-and packed on CPUs where oneDNN has no bf16 GEMM. A call only follows the route; within the
+and packed on CPUs where oneDNN has no bf16 GEMM. A float32 weight is packed for oneDNN's
+float32 GEMM. A call only follows the route; within the
 oneDNN routes, steps of a few rows stream the natural-layout weight through ``small_m_linear``
 instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows, and are
 dequantized past that. The native layer stack reads the same routes (``streaming_linear``).
@@ -54,7 +55,7 @@ def blocked_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class PreparedLinear:
-    """A bf16 weight as loaded, its route, and the copy that route multiplies."""
+    """A bf16 or float32 weight as loaded, its route, and the copy that route multiplies."""
 
     route: LinearRoute
     weight: torch.Tensor  # natural [N, K] layout: small_m_linear streams it
@@ -118,8 +119,14 @@ class NativeLinear:
         if not torch.backends.mkldnn.is_available():
             return
         for w in weights:
-            if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2:
+            if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dim() != 2:
+                continue
+            if w.dtype == torch.bfloat16:
                 self._prepared[w] = self._prepare_bf16(w)
+            elif w.dtype == torch.float32:
+                # Packed once: F.linear would reorder the natural layout at every call.
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+                self._prepared[w] = PreparedLinear(LinearRoute.ONEDNN_FLOAT32, w, packed)
 
     def _prepare_bf16(self, w: torch.Tensor) -> PreparedLinear:
         n, k = w.shape
@@ -167,8 +174,8 @@ class NativeLinear:
             return StreamingLinear(LinearRoute.INT4, weight.packed, weight.scales_zeros, bias, weight.group_size,
                                    weight.out_features)
         prepared = self._prepared.get(weight)
-        if prepared is None or not self._small_m_built:
-            return None
+        if prepared is None or not self._small_m_built or weight.dtype != torch.bfloat16:
+            return None  # small_m_linear streams bf16 weights only
         if prepared.route is LinearRoute.BLOCKED:
             return StreamingLinear(prepared.route, prepared.copy, None, bias, 0, weight.shape[0])
         if bias is not None:  # small_m_linear takes no bias: the GEMM does

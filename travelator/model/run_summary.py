@@ -1,0 +1,52 @@
+"""The one line a user sees at start-up: what the model is stored in and which kernels run it.
+
+The defaults differ by machine (model/device.py's dtype, model/native_linear.py's routes), so a
+figure is only comparable with the routes that made it; this line names them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from travelator.model.linear_route import LinearRoute
+
+_ROUTE_WORDS = {
+    LinearRoute.ONEDNN_BF16: "oneDNN bf16 GEMM",
+    LinearRoute.INT8: "int8 kernel",
+    LinearRoute.INT4: "int4 kernel",
+    LinearRoute.BLOCKED: "blocked bf16 kernel",
+}
+
+
+def route_words(ops, weight) -> str:
+    """A linear layer's route in words."""
+    route_of = getattr(ops, "linear_route", None)  # NativeOps only
+    route = route_of(weight) if route_of is not None else None
+    if route is None:
+        return "F.linear" if isinstance(weight, torch.Tensor) else "dequantized by torch"
+    if route is LinearRoute.ONEDNN_FLOAT32:
+        # A bf16 weight here has no bf16 GEMM on this CPU: stored in bf16, multiplied in float32.
+        return "bf16 weights, float32 GEMM" if weight.dtype == torch.bfloat16 else "packed float32 GEMM"
+    return _ROUTE_WORDS[route]
+
+
+def describe_run(ops, weights: list, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 device: torch.device) -> str:
+    """e.g. "bfloat16 on cpu, native kernels: linear layers 85 bf16 weights, float32 GEMM
+    (up to 8 rows streamed); attention native; KV cache bfloat16"."""
+    routes = Counter(route_words(ops, w) for w in weights)
+    linear = ", ".join(f"{n} {words}" for words, n in routes.most_common())
+    bf16 = any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
+    if bf16 and ops.streaming_rows(False):
+        linear += f"; steps of up to {ops.streaming_rows(False)} rows stream the bf16 weights"
+    if not all(isinstance(w, torch.Tensor) for w in weights) and ops.streaming_rows(True):
+        linear += f"; the integer kernels take up to {ops.streaming_rows(True)} rows, more are dequantized"
+    kind = type(ops).__name__.removesuffix("Ops").lower()
+    return (f"{_name(dtype)} on {device}, {kind} kernels: linear layers {linear}; "
+            f"attention {ops.attention_backend}; KV cache {_name(kv_dtype)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
