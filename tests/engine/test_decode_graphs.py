@@ -96,7 +96,7 @@ def _generate(llm: LLM) -> list:
 def test_an_engine_with_eager_replayed_graphs_matches_the_eager_engine():
     """The whole engine: prefill chunks eagerly, decode steps of 3, 2 and 1 requests through
     buckets 4, 2 and 1; the same greedy tokens, logprobs within float32 rounding."""
-    want = _generate(_tiny_llm())
+    want = _generate(_tiny_llm(enforce_eager=True))
     llm = _tiny_llm()
     runner = llm.engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, max_model_len=MAX_MODEL_LEN,
