@@ -6,7 +6,9 @@ Needs only this checkout, torch with CUDA and triton (nothing is downloaded). It
 
 1. the Triton kernels' tests compiled for the GPU (``tests/kernels/test_triton_attention.py`` picks
    the GPU when there is one), so a kernel that the interpreter accepts but the compiler
-   rejects, or that computes differently with tensor cores, shows here;
+   rejects, or that computes differently with tensor cores, shows here; with them the tests
+   of the staged step inputs and of the decode steps' CUDA graphs, whose ``cuda``-marked
+   cases (pinned buffers, recorded graphs) run only on a GPU;
 2. the GPU's copy bandwidth (1 GiB copied device to device: 2 GiB moved), the bound of every
    memory-bound figure below;
 3. the paged attention of a Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head size
@@ -26,6 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
+GPU_TESTS = ("tests/kernels/test_triton_attention.py", "tests/engine/test_step_staging.py",
+             "tests/engine/test_decode_graphs.py")
 
 
 def timed(fn, repeats: int = 20) -> float:
@@ -95,9 +99,9 @@ def main() -> None:
     rows.append(("triton", triton.__version__))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels/test_triton_attention.py"],
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", *GPU_TESTS],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    rows.append(("Triton kernel tests on the GPU", tests.stdout.strip().splitlines()[-1]))
+    rows.append(("Triton, staging and graph tests on the GPU", tests.stdout.strip().splitlines()[-1]))
     bandwidth = copy_bandwidth()
     rows.append(("copy bandwidth", f"{bandwidth / 1e12:.2f} TB/s"))
     for name, case in [("decode 64 x 1k context", (1024, 64, 0, 0)),

@@ -101,6 +101,9 @@ class ModelConfig:
     batch_invariant: Annotated[bool, Setting(
         "a request's tokens and logprobs never depend on what else is in its step (linear "
         "layers in fixed tiles of rows; needs the native CPU kernels)")] = False
+    enforce_eager: Annotated[bool, Setting(
+        "run every step eagerly: no CUDA graphs (with kernels triton on a CUDA device, decode-only "
+        "steps otherwise replay a graph recorded at start-up per batch-size bucket)")] = False
 
     def validate(self) -> None:
         _check_choices(self)

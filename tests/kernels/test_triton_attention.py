@@ -65,6 +65,26 @@ def test_long_decodes_split_over_keys_match_the_reference(window):
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("max_seq_len", [300, 4 * triton_attention.KEYS_PER_SPLIT])
+def test_fixed_bounds_of_a_recorded_decode_step_keep_the_result(max_seq_len):
+    """A recorded decode step launches with fixed bounds (one query per row, max_model_len
+    keys): splits past a short sequence's keys merge as empty, and a padding row (sequence
+    length 0) reads nothing and gets zeros."""
+    block_size, kvh, heads, d = 8, 2, 4, 32
+    k_cache, v_cache = make_cache(16, block_size, kvh, d, torch.float32, seed=5)
+    reqs = [(12, 1, [3, 7]), (0, 1, [5]), (30, 1, [1, 2, 9, 4])]
+    q = torch.randn(4, heads, d)
+    query_start = torch.arange(5)
+    seq_lens = torch.tensor([13, 1, 31, 0])
+    tables = torch.tensor([[3, 7, 0, 0], [5, 0, 0, 0], [1, 2, 9, 4], [0, 0, 0, 0]])
+    out = triton_attention.paged_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), query_start.to(DEVICE), seq_lens.to(DEVICE),
+        tables.to(DEVICE), d**-0.5, 0, 1, max_seq_len).cpu()
+    want = reference(q[:3], k_cache, v_cache, reqs, d**-0.5)
+    torch.testing.assert_close(out[:3].double(), want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
 def test_kv_write_puts_each_row_at_its_slot_and_skips_padding():
     blocks, kvh, block_size, d = 6, 2, 4, 24
     k_cache = torch.zeros(blocks, kvh, block_size, d, device=DEVICE)

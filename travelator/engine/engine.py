@@ -53,7 +53,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         draft = self._draft_source()
         # One rank: a ModelRunner. Tensor parallel: the driver of the group.
-        settings = RunnerSettings(dtype, kv_dtype, self.device, self.max_model_len, self.eos_token_ids)
+        settings = RunnerSettings(dtype, kv_dtype, self.device, self.max_model_len, self.eos_token_ids,
+                                  config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
         self.runner: Executor = make_executor(config.parallel, mc, self.arch, source.weights, settings,
                                               grammars=self.grammars, draft=draft)
         self.dtype = dtype

@@ -10,6 +10,7 @@ logits are sampled or give prompt logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from travelator.engine.scheduler_output import SchedulerOutput
 from travelator.model.attention import AttentionMetadata, build_metadata, slot_mapping
 from travelator.model.ops import TorchOps
 from travelator.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from travelator.engine.step_staging import StepStaging
 
 
 @dataclass(slots=True)
@@ -71,9 +75,10 @@ class _FlatBatch:
 
 
 class InputBatch:
-    def __init__(self, ops: TorchOps, device: torch.device) -> None:
+    def __init__(self, ops: TorchOps, device: torch.device, staging: StepStaging | None = None) -> None:
         self.ops = ops
         self.device = device
+        self.staging = staging  # on CUDA: the step's tensors through persistent pinned buffers
         self.block_size = 0
         self.states: dict[str, RunnerRequestState] = {}
 
@@ -110,6 +115,10 @@ class InputBatch:
         for rid, n in ordered:
             self._add(flat, self.states[rid], n, offset, drafts_of.get(rid, []))
             offset += n
+        if self.staging is not None:
+            every_row = flat.logits_indices == list(range(offset))
+            return self.staging.stage(flat, every_row, self.block_size, self.ops.attention_backend,
+                                      self.ops.tiled_prefill_attention)
         dev = self.device
         meta = build_metadata(self.ops.attention_backend, torch.tensor(flat.slots, dtype=torch.long, device=dev),
                               flat.query_lens, flat.context_lens, flat.tables, self.block_size, dev,

@@ -17,12 +17,14 @@ import torch
 
 from travelator.config import ModelConfig
 from travelator.model.tp_group import TPGroup
+from travelator.engine.decode_graphs import DecodeGraphs, GraphCapture, bucket_sizes
 from travelator.engine.draft_model import DraftJob, DraftModel
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
-from travelator.engine.input_batch import InputBatch
+from travelator.engine.input_batch import InputBatch, StepInputs
 from travelator.engine.sampling_stage import SamplingStage
-from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
+from travelator.engine.scheduler_output import PromptLogprobs, RunnerOutput, SampledToken, SchedulerOutput
+from travelator.engine.step_staging import StepStaging
 from travelator.model import kv_layout
 from travelator.model.arch import ModelArch
 from travelator.model.host_memory import retain_freed_memory
@@ -42,6 +44,9 @@ class RunnerSettings:
     device: torch.device
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
+    # The scheduler's step limits: they size the CUDA staging buffers and graph buckets.
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
 
 
 class ModelRunner:
@@ -51,6 +56,7 @@ class ModelRunner:
         self.arch = arch
         device = settings.device
         self.device = device
+        self.settings = settings
         self.dtype = settings.dtype
         self.kv_dtype = settings.kv_dtype
         self.eos_token_ids = settings.eos_token_ids
@@ -71,6 +77,11 @@ class ModelRunner:
         self.grammar = GrammarMasks(grammars, self.ops) if grammars is not None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.batch = InputBatch(self.ops, device)
+        # Decode-only steps as CUDA graphs (recorded once the KV cache exists): on one rank,
+        # with the Triton attention, whose host-side launch decisions a graph can fix.
+        self.graphs: DecodeGraphs | None = None
+        self._record_graphs = (not config.enforce_eager and self.ops.attention_backend == "triton"
+                               and device.type == "cuda" and tp is None)
         self.sampler = SamplingStage(self.model, self.ops, self.grammar, self.eos_token_ids)
         # Seconds spent per phase, summed over the run (on CUDA, kernels are asynchronous:
         # forward time then shows up where the host first waits, in "sample").
@@ -98,6 +109,14 @@ class ModelRunner:
         self.batch.block_size = block_size
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks, block_size)
+        s = self.settings
+        if self.device.type == "cuda":
+            self.batch.staging = StepStaging(self.device, s.max_num_batched_tokens, s.max_num_seqs,
+                                             -(-s.max_model_len // block_size))
+        if self._record_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_model_len=s.max_model_len,
+                                       block_size=block_size, device=self.device, capture=GraphCapture(),
+                                       buckets=bucket_sizes(min(s.max_num_seqs, s.max_num_batched_tokens)))
 
     def describe(self) -> str:
         """The dtype and kernel routes this runner chose, in one line (printed at start-up)."""
@@ -147,9 +166,7 @@ class ModelRunner:
         drafts_of = self._drafts_of(out)
         inputs = self.batch.prepare(out, drafts_of)
         t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        logits = self.sampler.logits(hidden, inputs)
-        prompt_logprobs = self.sampler.prompt_logprobs(hidden, inputs)
+        logits, prompt_logprobs = self._forward(inputs)
         t2 = time.perf_counter()
         self.phase_times["prepare"] += t1 - t0
         self.phase_times["forward"] += t2 - t1
@@ -159,6 +176,14 @@ class ModelRunner:
         self._keep(out, sampled, drafts_of)
         self.phase_times["sample"] += time.perf_counter() - t2
         return RunnerOutput(sampled, prompt_logprobs, failed=failed)
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
+        """The sampled rows' logits and the prompt logprobs: a recorded graph's replay for a
+        decode-only step it takes, else the eager forward."""
+        if self.graphs is not None and self.graphs.takes(inputs):
+            return self.graphs.run(inputs), {}
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.sampler.logits(hidden, inputs), self.sampler.prompt_logprobs(hidden, inputs)
 
     def follow(self, out: SchedulerOutput, sampled: list[tuple[str, int]]) -> None:
         """Run a step as a tensor-parallel worker: no sampling (the driver samples from the

@@ -145,7 +145,9 @@ def _merge_splits_kernel(
     weight = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - top))
     total = tl.sum(tl.load(part_sum_ptr + part) * weight, 0)
     acc = tl.sum(tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :]) * weight[:, None], 0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty),
+    # A row with no key (a padding row of a recorded decode step, sequence length 0) gets zeros.
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
 
@@ -154,7 +156,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, window: int, max_query_len: int, max_seq_len: int) -> torch.Tensor:
     """Attention of ``q`` [T, H, D] over the paged cache; returns [T, H, D] in q's dtype.
     ``max_query_len`` and ``max_seq_len`` are the batch's, known on the host (they size the
-    grid without reading the device)."""
+    grid without reading the device); bounds above the batch's give the same result (a
+    recorded CUDA graph passes fixed ones). A row of sequence length 0 reads no key and gets
+    zeros."""
     if k_cache.dtype == torch.int8:
         raise ValueError("the Triton attention reads float KV caches only (kv_cache_dtype auto)")
     tokens, num_heads, head_dim = q.shape
