@@ -145,6 +145,18 @@ def test_native_race_follows_the_distribution_and_the_seed():
     assert again[3] == race(scores[:1].contiguous(), torch.tensor([3], dtype=torch.long))[0]
 
 
+
+@pytest.mark.skipif(not __import__("travelator.kernels", fromlist=["available"]).available(),
+                    reason="needs the native kernels")
+def test_native_race_never_draws_a_uniform_of_one():
+    """Seed 3 hashes vocabulary index 528417 to the top 24-bit value (splitmix64, as
+    csrc/sampling.cpp keys it), whose uniform rounds to 1.0 in float32: its noise would be
+    infinite and the token would win at probability e^-50. It must not."""
+    scores = torch.full((1, 528418), float("-inf"))
+    scores[0, 0] = 0.0
+    scores[0, 528417] = -50.0
+    assert torch.ops.travelator.exponential_race(scores, torch.tensor([3], dtype=torch.long)).item() == 0
+
 def _nucleus_by_full_sort(logits, top_k, top_p):
     """The definition, by a full sort: each row's top_k, then the smallest prefix whose
     probability over them reaches top_p."""

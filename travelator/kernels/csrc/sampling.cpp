@@ -118,7 +118,9 @@ at::Tensor exponential_race(const at::Tensor& scores, const at::Tensor& seeds) {
         const float x = row[j];
         if (!(x > -std::numeric_limits<float>::infinity())) continue;  // filtered (or NaN)
         const uint64_t h = splitmix64(base + static_cast<uint64_t>(j));
-        const float u = (static_cast<float>(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+        // (0, 1): the top 24-bit value plus a half rounds to 1.0 in float32, whose noise would
+        // make its token win whatever its score; it takes the largest float below 1 instead.
+        const float u = std::min((static_cast<float>(h >> 40) + 0.5f) * (1.0f / 16777216.0f), 0x1.fffffep-1f);
         const float s = x - std::log(-std::log(u));
         if (s > best) {
           best = s;
