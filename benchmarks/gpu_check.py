@@ -4,16 +4,19 @@
 
 Needs only this checkout, torch with CUDA and triton (nothing is downloaded). It runs:
 
-1. the Triton kernels' tests compiled for the GPU (``tests/kernels/test_triton_attention.py`` picks
-   the GPU when there is one), so a kernel that the interpreter accepts but the compiler
-   rejects, or that computes differently with tensor cores, shows here;
+1. the Triton kernels' tests compiled for the GPU (``tests/kernels/test_triton_attention.py``
+   and ``test_triton_sampling.py`` pick the GPU when there is one), so a kernel that the
+   interpreter accepts but the compiler rejects, or that computes differently with tensor
+   cores, shows here; and the sampler's device-path tests, one of which fails on any host
+   synchronisation while it samples;
 2. the GPU's copy bandwidth (1 GiB copied device to device: 2 GiB moved), the bound of every
    memory-bound figure below;
 3. the paged attention of a Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head size
    128, bf16, blocks of 16 shuffled over the pool): a decode step of 64 requests x 1k
    context, the same at 8k context (the split over keys), and a mixed step of 4 prefill
    chunks of 512 beside 60 decodes; each as time per call and as the share of the copy
-   bandwidth its KV reads reach.
+   bandwidth its KV reads reach;
+4. the sampler's exponential race over 64 rows of a 128k vocabulary.
 """
 
 from __future__ import annotations
@@ -84,6 +87,17 @@ def attention_case(context: int, decodes: int, prefill_chunks: int, chunk: int) 
     return dict(seconds=seconds, kv_bytes=kv_bytes)
 
 
+def race_seconds(rows: int, vocab: int) -> float:
+    """One call of the Triton exponential race (the sampler's draw) on float32 scores."""
+    import torch
+
+    from travelator.kernels import triton_sampling
+
+    scores = torch.randn(rows, vocab, device="cuda")
+    seeds = torch.arange(rows, device="cuda")
+    return timed(lambda: triton_sampling.exponential_race(scores, seeds))
+
+
 def main() -> None:
     import torch
 
@@ -95,7 +109,8 @@ def main() -> None:
     rows.append(("triton", triton.__version__))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels/test_triton_attention.py"],
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/kernels/test_triton_attention.py",
+                            "tests/kernels/test_triton_sampling.py", "tests/model/test_sampler_device_path.py"],
                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     rows.append(("Triton kernel tests on the GPU", tests.stdout.strip().splitlines()[-1]))
     bandwidth = copy_bandwidth()
@@ -107,6 +122,7 @@ def main() -> None:
         share = got["kv_bytes"] / got["seconds"] / bandwidth
         rows.append((f"attention, {name}", f"{got['seconds'] * 1e6:.0f} us, "
                                             f"{share:.0%} of copy bandwidth on its KV reads"))
+    rows.append(("exponential race, 64 rows x 128k vocab", f"{race_seconds(64, 128 * 1024) * 1e6:.0f} us"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     if tests.returncode != 0:
