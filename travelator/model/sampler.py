@@ -60,7 +60,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     gives each row's first largest index (the model's ops may have a faster one than
     torch's). A batch of plain greedy picks takes the argmax of the logits as they are
     (widening to float32 is exact, so the pick is the same); everything else is computed
-    in float32. ``race(scores, seeds)``, when given (the native kernel), draws each row
+    in float32. ``race(scores, seeds)``, when given (a native or Triton kernel), draws each row
     from softmax(scores) with noise generated from the row's seed alone; otherwise torch
     generators make the noise (a different stream: seeded outputs are reproducible per
     kernel set)."""
@@ -230,7 +230,7 @@ def _prefix_probs(logits, vals, top_k, with_k) -> tuple[torch.Tensor, torch.Tens
 
 
 def _row_seeds(params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
-    """A seed per row for the native race: from (seed, index of the token being drawn) when
+    """A seed per row for the race kernels: from (seed, index of the token being drawn) when
     the request has a seed (the same draw however it was batched, chunked or preempted),
     else from torch's global generator."""
     seeds = torch.randint(0, 2**62, (len(params),), dtype=torch.long)
