@@ -4,18 +4,21 @@
 
 Needs only this checkout, torch with CUDA and triton (nothing is downloaded). It runs:
 
-1. the Triton kernels' tests compiled for the GPU (``tests/kernels/test_triton_attention.py`` picks
-   the GPU when there is one), so a kernel that the interpreter accepts but the compiler
-   rejects, or that computes differently with tensor cores, shows here; with them the tests
-   of the staged step inputs and of the decode steps' CUDA graphs, whose ``cuda``-marked
-   cases (pinned buffers, recorded graphs) run only on a GPU;
+1. the Triton kernels' tests compiled for the GPU (``tests/kernels/test_triton_attention.py``
+   and ``test_triton_sampling.py`` pick the GPU when there is one), so a kernel that the
+   interpreter accepts but the compiler rejects, or that computes differently with tensor
+   cores, shows here; with them the sampler's device-path tests (one fails on any host
+   synchronisation while it samples) and the tests of the staged step inputs and of the
+   decode steps' CUDA graphs, whose ``cuda``-marked cases (pinned buffers, recorded graphs)
+   run only on a GPU;
 2. the GPU's copy bandwidth (1 GiB copied device to device: 2 GiB moved), the bound of every
    memory-bound figure below;
 3. the paged attention of a Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head size
    128, bf16, blocks of 16 shuffled over the pool): a decode step of 64 requests x 1k
    context, the same at 8k context (the split over keys), and a mixed step of 4 prefill
    chunks of 512 beside 60 decodes; each as time per call and as the share of the copy
-   bandwidth its KV reads reach.
+   bandwidth its KV reads reach;
+4. the sampler's exponential race over 64 rows of a 128k vocabulary.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-GPU_TESTS = ("tests/kernels/test_triton_attention.py", "tests/engine/test_step_staging.py",
+GPU_TESTS = ("tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_sampling.py",
+             "tests/model/test_sampler_device_path.py", "tests/engine/test_step_staging.py",
              "tests/engine/test_decode_graphs.py")
 
 
@@ -88,6 +92,17 @@ def attention_case(context: int, decodes: int, prefill_chunks: int, chunk: int) 
     return dict(seconds=seconds, kv_bytes=kv_bytes)
 
 
+def race_seconds(rows: int, vocab: int) -> float:
+    """One call of the Triton exponential race (the sampler's draw) on float32 scores."""
+    import torch
+
+    from travelator.kernels import triton_sampling
+
+    scores = torch.randn(rows, vocab, device="cuda")
+    seeds = torch.arange(rows, device="cuda")
+    return timed(lambda: triton_sampling.exponential_race(scores, seeds))
+
+
 def main() -> None:
     import torch
 
@@ -111,6 +126,7 @@ def main() -> None:
         share = got["kv_bytes"] / got["seconds"] / bandwidth
         rows.append((f"attention, {name}", f"{got['seconds'] * 1e6:.0f} us, "
                                             f"{share:.0%} of copy bandwidth on its KV reads"))
+    rows.append(("exponential race, 64 rows x 128k vocab", f"{race_seconds(64, 128 * 1024) * 1e6:.0f} us"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
     if tests.returncode != 0:

@@ -1,8 +1,8 @@
 """The per-token operations of the Llama block, in three implementations.
 
 ``TorchOps`` is plain torch: the reference, and the path on machines where the native
-kernels do not build. ``TritonOps`` is the same with the paged attention in Triton, the
-path on CUDA devices. ``NativeOps`` runs the same operations through
+kernels do not build. ``TritonOps`` is the same with the paged attention and the sampler's
+exponential race in Triton, the path on CUDA devices. ``NativeOps`` runs the same operations through
 travelator's C++ CPU kernels (fused RMSNorm with the residual add, SiLU * up, rotary in
 place, paged attention in one call per layer, a vectorised argmax for the sampler) and its
 linear layers through ``NativeLinear`` (model/native_linear.py), which decides each weight's
@@ -96,9 +96,18 @@ class TorchOps:
 
 
 class TritonOps(TorchOps):
-    """torch for the dense work, Triton's paged attention (GPU) for the per-request part."""
+    """torch for the dense work; in Triton, the paged attention (GPU) for the per-request part
+    and the sampler's exponential race, its noise drawn on the device from each row's seed."""
 
     attention_backend: AttentionBackend = "triton"
+
+    def __init__(self) -> None:
+        from travelator.kernels import triton_sampling  # imports triton: only on this path
+
+        self._race = triton_sampling.exponential_race
+
+    def exponential_race(self, scores: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+        return self._race(scores, seeds)
 
 
 class NativeOps(TorchOps):

@@ -1,6 +1,10 @@
 """Batched sampling: one set of tensor ops for the whole batch, each row with its own
 parameters. The only per-request Python is drawing seeded noise, because a seeded
 request must get the same random numbers whatever else is in its batch.
+
+On a GPU nothing here waits for the device before the sampled ids are read: which filters
+run and how wide they are is decided from the Python parameters, per-row values are built
+on the host and copied without blocking, and penalty counts are built on the device.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def _to(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host values on ``device``: built on the host (the dtype torch.tensor gives them) and
+    copied without making the host wait for the device; the same tensor on the CPU."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    return host.to(device, non_blocking=True)
+
+
+def _reads_are_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values on the host costs no wait for a device (the CPU)."""
+    return device.type == "cpu"
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax,
            race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
@@ -44,7 +60,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     gives each row's first largest index (the model's ops may have a faster one than
     torch's). A batch of plain greedy picks takes the argmax of the logits as they are
     (widening to float32 is exact, so the pick is the same); everything else is computed
-    in float32. ``race(scores, seeds)``, when given (the native kernel), draws each row
+    in float32. ``race(scores, seeds)``, when given (a native or Triton kernel), draws each row
     from softmax(scores) with noise generated from the row's seed alone; otherwise torch
     generators make the noise (a different stream: seeded outputs are reproducible per
     kernel set)."""
@@ -78,16 +94,16 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch, argmax: Callable[[torch.Te
     params = batch.params
     b, vocab = logits.shape
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    greedy = _to([p.greedy for p in params], dev)
+    temps = _to([1.0 if p.greedy else p.temperature for p in params], dev)
     scaled = logits / temps.unsqueeze(1)
     scaled = _apply_top_k_top_p_min_p(scaled, params)
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
     if race is not None:
-        sampled = race(scaled.contiguous(), _row_seeds(params, batch.output_token_ids).to(dev))
+        sampled = race(scaled.contiguous(), _to(_row_seeds(params, batch.output_token_ids), dev))
     else:
         probs = torch.softmax(scaled, dim=-1)
-        noise = _exponential_noise(params, batch.output_token_ids, b, vocab).to(dev)
+        noise = _to(_exponential_noise(params, batch.output_token_ids, b, vocab), dev)
         sampled = argmax(probs / noise)
     return torch.where(greedy, argmax(logits), sampled)
 
@@ -108,14 +124,12 @@ def _with_logprobs(ids: list[int], token_ids: torch.Tensor, raw_logprobs: torch.
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    b, vocab = logits.shape
-    out_counts = _token_counts(batch.output_token_ids, b, vocab)
-    prompt_seen = _token_counts(batch.prompt_token_ids, b, vocab) > 0
     dev = logits.device
-    out_counts, prompt_seen = out_counts.to(dev), prompt_seen.to(dev)
-    rep = torch.tensor([p.repetition_penalty for p in batch.params], device=dev).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in batch.params], device=dev).unsqueeze(1)
-    freq = torch.tensor([p.frequency_penalty for p in batch.params], device=dev).unsqueeze(1)
+    out_counts = _token_counts(batch.output_token_ids, logits.shape, dev)
+    prompt_seen = _token_counts(batch.prompt_token_ids, logits.shape, dev) > 0
+    rep = _to([p.repetition_penalty for p in batch.params], dev).unsqueeze(1)
+    pres = _to([p.presence_penalty for p in batch.params], dev).unsqueeze(1)
+    freq = _to([p.frequency_penalty for p in batch.params], dev).unsqueeze(1)
     # Repetition penalty (CTRL / HF semantics) over prompt and output tokens.
     seen = prompt_seen | (out_counts > 0)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
@@ -125,58 +139,78 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return logits
 
 
-def _token_counts(seqs: list[list[int]], b: int, vocab: int) -> torch.Tensor:
-    counts = torch.zeros(b, vocab)
+def _token_counts(seqs: list[list[int]], shape: torch.Size, dev: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's sequence, [B, V] float32 on ``dev``: the
+    (row, token) pairs go over as one index tensor, the counts are made where they are used."""
+    counts = torch.zeros(shape, device=dev)
     lengths = [len(s) for s in seqs]
     if sum(lengths):
-        rows = torch.repeat_interleave(torch.arange(b), torch.tensor(lengths))
+        rows = torch.repeat_interleave(torch.arange(shape[0]), torch.tensor(lengths))
         cols = torch.tensor([t for s in seqs for t in s])
-        counts.index_put_((rows, cols), torch.ones(len(cols)), accumulate=True)
+        if not _reads_are_free(dev):
+            rows, cols = _to(torch.stack([rows, cols]), dev)
+        counts.index_put_((rows, cols), torch.ones(len(cols), device=dev), accumulate=True)
     return counts
 
 
 def _block_eos_before_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Rows that have not reached min_tokens may not end: EOS and stop tokens get -inf."""
     logits = logits.clone()
+    rows, cols = [], []
     for row, p in enumerate(batch.params):
         if len(batch.output_token_ids[row]) < p.min_tokens:
             enders = set(p.stop_token_ids) | (set() if p.ignore_eos else set(batch.eos_token_ids))
-            if enders:
-                logits[row, sorted(enders)] = float("-inf")
+            rows += [row] * len(enders)
+            cols += sorted(enders)
+    if rows:  # one indexed write (a Python list as an index would copy, and wait, per row)
+        index = _to([rows, cols], logits.device)
+        logits[index[0], index[1]] = float("-inf")
     return logits
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    b, vocab = logits.shape
+    """Which filters run, and over how many candidates, is decided from the parameters, not
+    from tensors (no device read)."""
+    vocab = logits.shape[1]
     dev = logits.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-        logits = _filter_top_candidates(logits, top_k, top_p)
-    if bool((min_p > 0).any()):
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    max_k = max((k for k in ks if k < vocab), default=0)
+    nucleus_only = any(p.top_p < 1.0 and k == vocab for p, k in zip(params, ks))
+    if max_k or any(p.top_p < 1.0 for p in params):
+        top_k, top_p = _to(ks, dev), _to([p.top_p for p in params], dev)
+        logits = _filter_top_candidates(logits, top_k, top_p, max_k, nucleus_only)
+    if any(p.min_p > 0 for p in params):
+        min_p = _to([p.min_p for p in params], dev)
         probs = torch.softmax(logits, dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
-# Candidates sorted for top-k/top-p: a full sort of [B, V] costs tens of ms on the CPU.
+# Candidates sorted for top-k/top-p on the CPU: a full sort of [B, V] is slow there.
 _CANDIDATES = 256
 
 
-def _filter_top_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter_top_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                           max_k: int, nucleus_only: bool) -> torch.Tensor:
     """Keep each row's top_k tokens, then the smallest prefix of them whose probability (over
-    the kept ones) reaches top_p. Only the best candidates are sorted (torch.topk); a row whose
-    nucleus does not end among them (a flat distribution) sends the batch to a full sort, so
-    the result is exact either way."""
+    the kept ones) reaches top_p. ``max_k``: the largest top_k below the vocabulary (0: none);
+    ``nucleus_only``: whether a row has top_p without top_k. On the CPU only the best
+    candidates are sorted (torch.topk), and a row whose nucleus does not end among them (a
+    flat distribution) sends the batch to a full sort. That check reads the tensors, so on a
+    device a batch with a top_p-only row sorts in full at once, and one without takes the
+    top max_k. The result is exact either way."""
     vocab = logits.shape[1]
     with_k = top_k < vocab
     filtered = with_k | (top_p < 1.0)
-    k = min(vocab, max(_CANDIDATES, int(top_k[with_k].max()) if bool(with_k.any()) else 0))
-    vals, order = logits.topk(k, dim=-1)  # descending
+    probe = _reads_are_free(logits.device)
+    k = min(vocab, max(_CANDIDATES, max_k)) if probe else (vocab if nucleus_only else max_k)
+    if probe or k < vocab:
+        vals, order = logits.topk(k, dim=-1)  # descending
+    else:
+        vals, order = logits.sort(dim=-1, descending=True)
     drop, probs = _prefix_probs(logits, vals, top_k, with_k)
-    if k < vocab and not bool((with_k | (probs.sum(dim=-1) >= top_p) | ~filtered).all()):
+    if probe and k < vocab and not bool((with_k | (probs.sum(dim=-1) >= top_p) | ~filtered).all()):
         vals, order = logits.sort(dim=-1, descending=True)
         drop, probs = _prefix_probs(logits, vals, top_k, with_k)
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)  # the first token always stays
@@ -196,7 +230,7 @@ def _prefix_probs(logits, vals, top_k, with_k) -> tuple[torch.Tensor, torch.Tens
 
 
 def _row_seeds(params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
-    """A seed per row for the native race: from (seed, index of the token being drawn) when
+    """A seed per row for the race kernels: from (seed, index of the token being drawn) when
     the request has a seed (the same draw however it was batched, chunked or preempted),
     else from torch's global generator."""
     seeds = torch.randint(0, 2**62, (len(params),), dtype=torch.long)
