@@ -83,6 +83,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   (void)tiled;  // unused where the tiled kernel is not built
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
+  // The pointers are taken here, not in the parallel body: nothing in it can throw (data_ptr
+  // checks the dtype), see docs/design.md on TORCH_CHECK and OpenMP regions.
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
@@ -104,18 +111,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
               (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
             auto* tiled_fn = head_dim == 32 ? &attend_item_tiled<2>
                              : head_dim == 64 ? &attend_item_tiled<4> : &attend_item_tiled<8>;
-            tiled_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
-                     v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
-                     seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+            tiled_fn(items[i], q_ptr, k_ptr, v_ptr, out_ptr, qs, lens, table,
                      block_tables.size(1), q.stride(0), num_heads, num_kv_heads, block_size,
                      static_cast<float>(scale), window);
             continue;
           }
         }
 #endif
-        item_fn(items[i], q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(),
-                v_cache.data_ptr<cache_t>(), out.data_ptr<scalar_t>(), qs,
-                seq_lens.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+        item_fn(items[i], q_ptr, k_ptr, v_ptr, out_ptr, qs, lens, table,
                 block_tables.size(1), q.stride(0), num_heads, num_kv_heads, head_dim, block_size,
                 static_cast<float>(scale), window);
       }

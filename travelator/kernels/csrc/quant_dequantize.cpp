@@ -121,6 +121,8 @@ void dequantize_tiles(at::Tensor& out, int64_t n_tiles, int64_t steps, int64_t i
 void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
   check_packed(packed, "quant_dequantize_int8");
   const int64_t n_tiles = packed.size(0), quads = packed.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n_tiles * kTileRows,
+              "quant_dequantize_int8: scales must be float32 [N_padded]");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   dequantize_tiles(out, n_tiles, quads, 4, "quant_dequantize_int8", [&](int64_t t, int64_t kq, int r, auto put) {
@@ -130,8 +132,11 @@ void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, a
 
 void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group, at::Tensor out) {
   check_packed(packed, "quant_dequantize_int4");
-  const int64_t n_tiles = packed.size(0), octets = packed.size(1), K = octets * 8, groups = K / group;
-  TORCH_CHECK(K % group == 0 && scales_zeros.numel() == n_tiles * groups * 2 * kTileRows, "quant_dequantize_int4: bad shape");
+  const int64_t n_tiles = packed.size(0), octets = packed.size(1), K = octets * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "quant_dequantize_int4: bad group");
+  const int64_t groups = K / group;
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
+              scales_zeros.numel() == n_tiles * groups * 2 * kTileRows, "quant_dequantize_int4: bad shape");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sz = scales_zeros.data_ptr<float>();
   dequantize_tiles(out, n_tiles, octets, 8, "quant_dequantize_int4", [&](int64_t t, int64_t ko, int r, auto put) {

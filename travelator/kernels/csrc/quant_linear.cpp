@@ -128,7 +128,8 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   check_x(x, "quant_linear_int4");
   check_packed(packed, "quant_linear_int4");
   const int64_t n_tiles = packed.size(0), K = x.size(1);
-  TORCH_CHECK(packed.size(1) * 8 == K && group % 8 == 0 && K % group == 0, "quant_linear_int4: K does not match");
+  TORCH_CHECK(group > 0 && group % 8 == 0, "quant_linear_int4: group must be a positive multiple of 8");
+  TORCH_CHECK(packed.size(1) * 8 == K && K % group == 0, "quant_linear_int4: K does not match");
   TORCH_CHECK(N <= n_tiles * kTileRows && N > (n_tiles - 1) * kTileRows, "quant_linear_int4: N does not match");
   TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
               scales_zeros.dim() == 4 && scales_zeros.size(0) == n_tiles && scales_zeros.size(1) == K / group &&
