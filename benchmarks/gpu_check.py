@@ -138,7 +138,10 @@ class Check:
 
 
 def guarded(check: Check, name: str, need_s: float, fn: Callable[[Check], None]) -> None:
-    """Run one section; a failure or a skip becomes its row, and the run goes on."""
+    """Run one section; a failure or a skip becomes its row, and the run goes on. Its rows go
+    to stderr as soon as they are known, so that a run cut short still shows them."""
+    first = len(check.rows)
+    print(f"gpu_check [{time.monotonic() - check.start:.0f} s] {name}", file=sys.stderr, flush=True)
     try:
         check.need(need_s)
         fn(check)
@@ -147,6 +150,9 @@ def guarded(check: Check, name: str, need_s: float, fn: Callable[[Check], None])
     except Exception as exc:  # one section's failure must not hide the others' figures
         text = " ".join(f"{type(exc).__name__}: {exc}".split())
         check.add(name, text[:240], "", "error")
+    for row in check.rows[first:]:
+        print(f"    {row.check}: {row.measured} {row.target} {row.verdict}".rstrip(),
+              file=sys.stderr, flush=True)
 
 
 def judge(value: float, op: str, bound: float) -> str:
