@@ -72,7 +72,7 @@ def _check_choices(section: object) -> None:
 class ModelConfig:
     model: Annotated[str, Setting(
         "HF-layout directory, .gguf file or dummy:<preset> (presets: tiny, llama-50m, llama-250m, "
-        "llama-1b, qwen3-tiny, qwen3-50m); default: the built-in one")]
+        "llama-1b, llama-8b, qwen3-tiny, qwen3-50m); default: the built-in one")]
     dtype: Annotated[DType, Setting(
         "weights and activations (auto: float32 checkpoints stay float32, others bfloat16 on "
         "CUDA and wherever the native CPU kernels run)")] = "auto"

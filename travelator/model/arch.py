@@ -220,6 +220,9 @@ PRESETS: dict[str, ModelArch] = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         max_position_embeddings=131072, tie_word_embeddings=True,
     ),
+    # The shape of Llama 3 8B (untied embeddings, no rope scaling): for GPU benchmarks.
+    "llama-8b": ModelArch("llama", 128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0,
+                          max_position_embeddings=8192),
 }
 
 
