@@ -27,3 +27,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             kernels.load()
         except kernels.NativeKernelsUnavailable as exc:
             raise pytest.UsageError(f"TRAVELATOR_REQUIRE_NATIVE=1 but {exc}") from exc
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
