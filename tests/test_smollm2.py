@@ -57,7 +57,7 @@ STEPS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(MODEL, dtype="float32", num_kv_blocks=KV_BLOCKS)
+    return LLM(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS)
 
 
 def greedy(max_tokens: int = 48, **kw) -> SamplingParams:
@@ -312,7 +312,7 @@ def agreement(setting: str, reference: str, results, ref_tokens, ref_logits) -> 
 
 
 def run_travelator(dtype: str, quantization: str):
-    llm = LLM(MODEL, dtype=dtype, quantization=quantization, num_kv_blocks=KV_BLOCKS)
+    llm = LLM(MODEL, device="cpu", dtype=dtype, quantization=quantization, num_kv_blocks=KV_BLOCKS)
     try:
         return llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True,
                                               logprobs=0), use_tqdm=False)

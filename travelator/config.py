@@ -120,10 +120,15 @@ class CacheConfig:
     num_kv_blocks: Annotated[int | None, Setting(
         "exact KV pool size in blocks (wins over --kv-cache-gb)")] = None
     kv_cache_bytes: Annotated[int | None, Setting(
-        "KV pool size in bytes; in GiB on the command line (default: max_num_seqs full contexts, "
-        "at most kv_memory_share of free memory)", flag="--kv-cache-gb", cli_unit=("GiB", 1 << 30))] = None
+        "KV pool size in bytes; in GiB on the command line (default: on CUDA what "
+        "gpu_memory_utilization leaves; on the CPU max_num_seqs full contexts, at most "
+        "kv_memory_share of free memory)", flag="--kv-cache-gb", cli_unit=("GiB", 1 << 30))] = None
     kv_memory_share: Annotated[float, Setting(
-        "share of free memory the KV pool may take when its size is not given")] = 0.3
+        "CPU: share of free memory the KV pool may take when its size is not given")] = 0.3
+    gpu_memory_utilization: Annotated[float, Setting(
+        "CUDA: share of the device's total memory the engine may use when the KV pool's size is "
+        "not given: the pool takes what is left after the weights, other memory in use and the "
+        "largest step's activations (measured at start-up)")] = 0.9
     kv_cache_dtype: Annotated[KVCacheDType, Setting(
         "dtype of the KV cache (auto: the model's; int8: 8-bit codes with a scale per token "
         "and head, 1.9x the tokens of bf16 at head_dim 64)")] = "auto"
@@ -140,6 +145,8 @@ class CacheConfig:
             raise ValueError("kv_cache_bytes must be positive")
         if not 0 < self.kv_memory_share <= 1:
             raise ValueError("kv_memory_share must be in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(slots=True)

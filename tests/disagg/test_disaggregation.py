@@ -29,8 +29,8 @@ from travelator.engine.request import Request
 from travelator.server.process import ServerProcess, free_port, serve_command
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = dict(dtype="float32", batch_invariant=True, block_size=8)
-ENGINE_FLAGS = ["--dtype", "float32", "--batch-invariant", "--block-size", "8"]
+ENGINE = dict(device="cpu", dtype="float32", batch_invariant=True, block_size=8)
+ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--batch-invariant", "--block-size", "8"]
 # 200 tokens or so: 26 blocks of 8, so that a 40-block decode pool holds one such request.
 LONG = "Once upon a time, there was a little girl named Lily. She loved to play outside. " * 10
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day", LONG,

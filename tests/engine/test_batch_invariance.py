@@ -71,7 +71,7 @@ def alone(req: Req, dtype: str, invariant: bool) -> Result:
     """The request by itself on a fresh engine: its prompt in one step, nothing cached."""
     key = (req.prompt, req.max_tokens, req.seed, dtype, invariant)
     if key not in _ALONE:
-        llm = LLM(MODEL, dtype=dtype, batch_invariant=invariant, enable_prefix_caching=False)
+        llm = LLM(MODEL, device="cpu", dtype=dtype, batch_invariant=invariant, enable_prefix_caching=False)
         _ALONE[key] = run(llm, [Req(0, req.prompt, req.max_tokens, req.seed)])[0]
     return _ALONE[key]
 
@@ -112,7 +112,7 @@ def test_outputs_do_not_depend_on_the_batch(dtype, scenario):
     reqs, engine_kw = scenario
     if not fits(reqs, engine_kw):
         return
-    llm = LLM(MODEL, dtype=dtype, batch_invariant=True, **engine_kw)
+    llm = LLM(MODEL, device="cpu", dtype=dtype, batch_invariant=True, **engine_kw)
     batched = run(llm, reqs)
     for i, req in enumerate(reqs):
         assert batched[i] == alone(req, dtype, True), (i, engine_kw)
@@ -128,7 +128,7 @@ def mixed_batch(seed: int) -> list[Req]:
 def test_without_the_mode_batching_changes_the_numbers(dtype):
     """The check above can fail: the default mode gives different logprobs in a batch."""
     reqs = mixed_batch(0)
-    llm = LLM(MODEL, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=100)
+    llm = LLM(MODEL, device="cpu", dtype=dtype, max_num_seqs=8, max_num_batched_tokens=100)
     batched = run(llm, reqs)
     differ = [i for i, r in enumerate(reqs) if batched[i][1] != alone(r, dtype, False)[1]]
     assert differ, "expected some request's logprobs to change with the batch"
@@ -141,7 +141,7 @@ def test_preemption_and_prefix_hits_keep_the_numbers(batching):
     shared = tuple(rng.randrange(3, VOCAB) for _ in range(48))
     reqs = [Req(0, shared, 12, None), Req(4, shared + (5, 6, 7), 12, 3)]
     reqs += [Req(5, tuple(rng.randrange(3, VOCAB) for _ in range(40)), 12, None) for _ in range(4)]
-    llm = LLM(MODEL, dtype="bfloat16", batch_invariant=True, batching=batching, max_queue_delay_ms=5, block_size=8,
+    llm = LLM(MODEL, device="cpu", dtype="bfloat16", batch_invariant=True, batching=batching, max_queue_delay_ms=5, block_size=8,
               num_kv_blocks=20, max_num_seqs=6, max_num_batched_tokens=32)
     batched = run(llm, reqs)
     counters = llm.engine.counters
@@ -165,18 +165,18 @@ def test_the_new_architectures_keep_the_mode(family, tmp_path):
     reqs = [Req(rng.randint(0, 3), tuple(rng.randrange(3, 300) for _ in range(rng.randint(5, 80))), 10, None)
             for _ in range(8)]
     reqs += [Req(4, reqs[0].prompt + (5, 6, 7), 6, 3)]  # a prefix hit, sampled
-    llm = LLM(model, dtype="bfloat16", batch_invariant=True, block_size=8, num_kv_blocks=24,
+    llm = LLM(model, device="cpu", dtype="bfloat16", batch_invariant=True, block_size=8, num_kv_blocks=24,
               max_num_batched_tokens=40)
     batched = run(llm, reqs)
     assert llm.engine.counters.preemptions > 0 and llm.engine.kv.stats.hit_tokens > 0
-    single = LLM(model, dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False)
+    single = LLM(model, device="cpu", dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False)
     for i, req in enumerate(reqs):
         assert batched[i] == run(single, [Req(0, req.prompt, req.max_tokens, req.seed)])[0], i
 
 
 def test_the_mode_needs_the_native_kernels():
     with pytest.raises(ValueError, match="batch_invariant needs the native CPU kernels"):
-        LLM(MODEL, kernels="torch", batch_invariant=True)
+        LLM(MODEL, device="cpu", kernels="torch", batch_invariant=True)
 
 
 @needs_stories
@@ -188,10 +188,10 @@ def test_stories260k_sampled_text_is_the_same_alone_and_in_any_batch():
               for i in range(len(prompts))]
     alone_outs = []
     for p, sp in zip(prompts, params):
-        llm = LLM(str(STORIES), batch_invariant=True)
+        llm = LLM(str(STORIES), device="cpu", batch_invariant=True)
         alone_outs.append(llm.generate([p], [sp], use_tqdm=False)[0].outputs[0])
     for kw in (dict(max_num_seqs=4), dict(max_num_seqs=2, max_num_batched_tokens=8)):
-        llm = LLM(str(STORIES), batch_invariant=True, **kw)
+        llm = LLM(str(STORIES), device="cpu", batch_invariant=True, **kw)
         outs = llm.generate(prompts * 3, params * 3, use_tqdm=False)  # each prompt three times
         for i, out in enumerate(outs):
             ref = alone_outs[i % len(prompts)]
@@ -203,7 +203,7 @@ def test_tensor_parallel_two_ranks_is_invariant_too():
     """TP=2 (the all-reduce in rank order): each request alone on the engine, then all of
     them together, bitwise the same."""
     reqs = mixed_batch(2)
-    llm = LLM(MODEL, dtype="float32", batch_invariant=True, tensor_parallel_size=2,
+    llm = LLM(MODEL, device="cpu", dtype="float32", batch_invariant=True, tensor_parallel_size=2,
               enable_prefix_caching=False, max_num_seqs=8, max_num_batched_tokens=100)
     try:
         alone_results = [run(llm, [Req(0, r.prompt, r.max_tokens, r.seed)])[0] for r in reqs]
@@ -221,7 +221,7 @@ def test_quantized_weights_are_invariant_too(quantization):
     machine it passes without the tiles as well: these CPU kernels compute each row on its
     own; the tiles make it hold wherever a kernel would not.)"""
     reqs = mixed_batch(3)
-    llm = LLM(MODEL, dtype="bfloat16", batch_invariant=True, quantization=quantization,
+    llm = LLM(MODEL, device="cpu", dtype="bfloat16", batch_invariant=True, quantization=quantization,
               quantization_group_size=32, enable_prefix_caching=False, max_num_seqs=8,
               max_num_batched_tokens=100)
     alone_results = [run(llm, [Req(0, r.prompt, r.max_tokens, r.seed)])[0] for r in reqs]

@@ -16,7 +16,7 @@ pytestmark = needs_stories
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day"]
 # Bitwise the same numbers whatever the batch: the comparison is exact by construction.
-ENGINE = dict(dtype="float32", batch_invariant=True, block_size=8)
+ENGINE = dict(device="cpu", dtype="float32", batch_invariant=True, block_size=8)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -95,7 +95,7 @@ def test_a_full_decode_pool_refuses_and_changes_nothing_then_takes_it():
     params = greedy(30)
     prefill = LLM(str(STORIES), **ENGINE).engine
     # 5 blocks of 8: room for one request of a few prompt tokens and 30 outputs.
-    decode = LLM(str(STORIES), dtype="float32", batch_invariant=True, block_size=8, num_kv_blocks=5).engine
+    decode = LLM(str(STORIES), device="cpu", dtype="float32", batch_invariant=True, block_size=8, num_kv_blocks=5).engine
     ids = [prefill.add_request(p, params, hand_off=True).request_id for p in PROMPTS[:2]]
     first = run(prefill)
     decode.add_handoff(first[ids[0]][-1].handoff, params)
@@ -118,7 +118,7 @@ def test_bad_hand_offs_are_refused():
     prefill = LLM(str(STORIES), **ENGINE).engine
     rid = prefill.add_request("One day", greedy(8), hand_off=True).request_id
     handoff = run(prefill)[rid][-1].handoff
-    other_block_size = LLM(str(STORIES), dtype="float32", block_size=16).engine
+    other_block_size = LLM(str(STORIES), device="cpu", dtype="float32", block_size=16).engine
     with pytest.raises(ValueError, match="blocks hold 8 tokens"):
         other_block_size.add_handoff(handoff, greedy(8))
     decode = LLM(str(STORIES), **ENGINE).engine

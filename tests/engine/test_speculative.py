@@ -96,7 +96,7 @@ def _tokens(outs) -> list[list[int]]:
 def test_stories_outputs_equal_decoding_without_drafts(policy, setup):
     # batch_invariant + float32: a row's numbers do not depend on how many query tokens its
     # request has in the step, so greedy picks cannot flip on a near tie.
-    base = dict(dtype="float32", batch_invariant=True, **setup)
+    base = dict(device="cpu", dtype="float32", batch_invariant=True, **setup)
     off = LLM(str(STORIES), **base)
     on = LLM(str(STORIES), speculative_method="ngram", speculative_policy=policy, num_speculative_tokens=5, **base)
     greedy = SamplingParams(temperature=0.0, max_tokens=70, logprobs=2)
@@ -175,7 +175,7 @@ def test_constrained_requests_speculate_through_their_grammar():
     prompts = ["Lily and Tom. Lily and Tom. Lily and Tom.", '["cat", "dog", "cat", "dog", "cat", "dog"]']
     params = [SamplingParams(temperature=t, seed=3, max_tokens=120, structured=c)
               for c, _ in cases for t in (0.0, 0.9)]
-    base = dict(dtype="float32", batch_invariant=True)
+    base = dict(device="cpu", dtype="float32", batch_invariant=True)
     off = LLM(str(STORIES), **base).generate(prompts * 2, params, use_tqdm=False)
     spec = LLM(str(STORIES), speculative_method="ngram", speculative_policy="fixed", **base)
     on = spec.generate(prompts * 2, params, use_tqdm=False)
@@ -219,7 +219,7 @@ def test_draft_model_outputs_equal_decoding_without_drafts(tmp_path_factory, set
     gen = torch.Generator().manual_seed(0)
     noisy = {k: w + 0.1 * w.std() * torch.randn(w.shape, generator=gen) for k, w in weights.items()}
     safetensors.torch.save_file(noisy, draft / "model.safetensors", metadata={"format": "pt"})
-    base = dict(dtype="float32", batch_invariant=True, **setup)
+    base = dict(device="cpu", dtype="float32", batch_invariant=True, **setup)
     prompts = [[1, 5, 9, 13, 17], [1, 40, 41], [1] + list(range(100, 160)), [1, 7]]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
@@ -256,7 +256,7 @@ def test_an_accepted_draft_eos_ends_a_constrained_request():
     lookup drafts the answer, EOS, and what followed it: the request ends at EOS, whole."""
     from travelator.structured import StructuredOutput
 
-    base = dict(dtype="float32", batch_invariant=True)
+    base = dict(device="cpu", dtype="float32", batch_invariant=True)
     params = SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutput(choice=("big red dog",)))
     off = LLM(str(STORIES), **base)
     answer = off.generate([[1, 300, 301]], params, use_tqdm=False)[0].outputs[0].token_ids

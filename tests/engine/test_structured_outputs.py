@@ -103,7 +103,7 @@ def params_for(structured: StructuredOutput | None, seed: int) -> SamplingParams
 @pytest.mark.parametrize("pool", [None, 12])  # 12 blocks of 16 tokens: requests get preempted
 def test_every_output_matches_alone_and_mixed_with_free_requests(pool):
     # batch_invariant: the request alone (below) must give bitwise the same numbers.
-    llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=pool, max_num_seqs=24, batch_invariant=True)
+    llm = LLM(str(STORIES), device="cpu", dtype="float32", num_kv_blocks=pool, max_num_seqs=24, batch_invariant=True)
     cases = constrained()
     prompts, params = [], []
     for i, (structured, _) in enumerate(cases):
@@ -119,7 +119,7 @@ def test_every_output_matches_alone_and_mixed_with_free_requests(pool):
     if pool is not None:
         assert llm.engine.counters.preemptions > 0
     # Alone, a constrained request gives the same text as in the batch (same seed, float32).
-    alone = LLM(str(STORIES), dtype="float32", batch_invariant=True).generate(
+    alone = LLM(str(STORIES), device="cpu", dtype="float32", batch_invariant=True).generate(
         [prompts[0]], [params[0]], use_tqdm=False)[0]
     assert alone.outputs[0].text == outs[0].outputs[0].text
 

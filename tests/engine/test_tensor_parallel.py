@@ -58,10 +58,10 @@ def test_tp2_matches_tp1_and_transformers(family, tmp_path):
                  "gemma3": gemma3_overrides(window=5)}.get(family, {})
     path = build_checkpoint(tmp_path, family, **overrides)
     reqs = make_requests(10, seed=11)
-    one = LLM(str(path), **TIGHT)
+    one = LLM(str(path), device="cpu", **TIGHT)
     want = run_staggered(one, reqs)
     assert one.engine.counters.preemptions > 0
-    two = LLM(str(path), tensor_parallel_size=2, **TIGHT)
+    two = LLM(str(path), device="cpu", tensor_parallel_size=2, **TIGHT)
     try:
         got = run_staggered(two, reqs)
         assert two.engine.counters.preemptions == one.engine.counters.preemptions
@@ -79,8 +79,8 @@ def test_tp2_matches_tp1_and_transformers(family, tmp_path):
 
 def test_dummy_weights_same_model_and_half_the_weights_per_rank():
     prompts = [[1, 5, 6, 7, 8], [1] + list(range(100, 140))]
-    one = LLM("dummy:tiny", dtype="float32", num_kv_blocks=16)
-    two = LLM("dummy:tiny", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    one = LLM("dummy:tiny", device="cpu", dtype="float32", num_kv_blocks=16)
+    two = LLM("dummy:tiny", device="cpu", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
     try:
         got = [r.token_ids for r in two.generate(prompts, greedy(10), use_tqdm=False)]
         per_rank = [m["weights"] for m in two.engine.runner.call("memory")]
@@ -136,7 +136,7 @@ def test_shard_splits_fused_parts_and_pads_the_vocabulary():
 
 def test_indivisible_heads_are_refused():
     with pytest.raises(ValueError, match="must divide the model's attention heads"):
-        LLM("dummy:tiny", tensor_parallel_size=3)
+        LLM("dummy:tiny", device="cpu", tensor_parallel_size=3)
 
 
 def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypatch):
@@ -157,7 +157,7 @@ def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypa
 
 
 def test_killed_worker_fails_the_engine_fast():
-    llm = LLM("dummy:tiny", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    llm = LLM("dummy:tiny", device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     engine = llm.engine
     (pid,) = engine.runner.worker_pids
     for i in range(4):
@@ -183,7 +183,7 @@ def test_killed_worker_fails_the_engine_fast():
 DRIVER = textwrap.dedent("""
     import os, sys, time
     from travelator import LLM
-    llm = LLM("dummy:tiny", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    llm = LLM("dummy:tiny", device="cpu", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
     print(*llm.engine.runner.worker_pids, flush=True)
     if sys.argv[1] == "exit":
         sys.exit(0)  # no shutdown(): the exit must still stop the worker
@@ -266,8 +266,8 @@ def test_prompt_logprobs_under_tensor_parallelism():
 
     prompt = [1] + [random.Random(4).randrange(3, 1000) for _ in range(30)]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
-    one = LLM("dummy:tiny", dtype="float32", max_num_batched_tokens=8).generate([prompt], params, use_tqdm=False)[0]
-    llm = LLM("dummy:tiny", dtype="float32", max_num_batched_tokens=8, tensor_parallel_size=2)
+    one = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8).generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8, tensor_parallel_size=2)
     try:
         two = llm.generate([prompt], params, use_tqdm=False)[0]
     finally:

@@ -71,7 +71,7 @@ def test_the_written_file_is_what_transformers_reads_as_the_checkpoint(model):
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_travelator_on_the_gguf_matches_transformers(model, kernels):
     arch, _, path, ref = model
-    llm = LLM(str(path), dtype="float32", kernels=kernels)
+    llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels)
     assert llm.engine.arch.family == arch
     assert llm.engine.arch.qk_norm == (arch == "qwen3")
     assert llm.engine.arch.attention_bias == (arch == "qwen2")

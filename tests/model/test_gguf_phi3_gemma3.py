@@ -188,7 +188,7 @@ def test_travelator_on_the_gguf_matches_transformers(model, kernels):
     new = 16
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=1)
     for label, engine_args, prompts in runs(name):
-        llm = LLM(str(path), dtype="float32", kernels=kernels, **engine_args)
+        llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels, **engine_args)
         assert llm.engine.arch.family == name.split("_")[0]
         for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
             out = result.outputs[0]

@@ -38,7 +38,7 @@ def test_pool_holds_more_tokens_in_the_same_bytes():
     assert kv_layout.bytes_per_token(8, 4, 64, torch.int8) == 2 * 8 * 4 * 68  # 64 codes + a float32 scale
     blocks = {}
     for kv_dtype in ("bfloat16", "int8"):
-        llm = LLM("dummy:tiny", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_bytes=1 << 20, max_model_len=256)
+        llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_bytes=1 << 20, max_model_len=256)
         k = llm.engine.runner.kv_caches[0][0]
         blocks[kv_dtype] = k.shape[0]
     assert k.dtype == torch.int8 and k.shape[1:] == (2, 16, 32 + 4)  # tiny: 2 KV heads of 32, blocks of 16
@@ -99,10 +99,10 @@ def test_attention_over_int8_rows_matches_the_reference(backend, dtype, tol, blo
 
 @needs_stories
 def test_stories260k_with_an_int8_cache_stays_close_and_keeps_the_story():
-    base = LLM(str(STORIES), dtype="float32")
+    base = LLM(str(STORIES), device="cpu", dtype="float32")
     ids = base.tokenizer.encode(STORIES_EXPECTED)
     ref = sequence_logprobs(base, ids)
-    llm = LLM(str(STORIES), dtype="float32", kv_cache_dtype="int8")
+    llm = LLM(str(STORIES), device="cpu", dtype="float32", kv_cache_dtype="int8")
     kl, top1 = compare(ref, sequence_logprobs(llm, ids))
     print(f"stories260K, int8 KV cache: mean KL {kl:.5f} nats, top-1 agreement {top1:.3f} over {len(ids)} positions")
     assert kl <= 0.002 and top1 >= 0.97, (kl, top1)

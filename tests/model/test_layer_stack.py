@@ -52,7 +52,7 @@ def _generate(llm: LLM, use_stack: bool) -> tuple[list, int]:
 def test_the_layer_stack_gives_the_python_layers_bits(dtype, quantization, kv):
     # Two seats: decode steps of one and two rows (bf16's small_m_linear takes 2 rows on
     # AVX512-BF16, 4 on AVX2), prompts in steps of 3-9 rows that only int8/int4 stream.
-    llm = LLM("dummy:tiny", dtype=dtype, quantization=quantization, quantization_group_size=32,
+    llm = LLM("dummy:tiny", device="cpu", dtype=dtype, quantization=quantization, quantization_group_size=32,
               kv_cache_dtype=kv, max_num_seqs=2, enable_prefix_caching=False)
     python, none = _generate(llm, use_stack=False)
     stacked, used = _generate(llm, use_stack=True)
@@ -72,7 +72,7 @@ def test_the_layer_stack_adds_a_layers_bias(tmp_path, quantization):
     path = build_checkpoint(tmp_path / "qwen2", "qwen2")
     if quantization == "none" and not hasattr(torch.ops.travelator, "blocked_linear"):
         pytest.skip("no bf16 kernel streams a biased layer on this CPU")
-    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
     for layer in llm.engine.runner.model.layers:
         bias = layer.self_attn.qkv_bias
@@ -87,7 +87,7 @@ def test_the_layer_stack_norms_qwen3_heads(tmp_path, quantization):
     """Qwen3's per-head q/k norms run in the stack as in the Python layers (with random norm
     weights: transformers initialises them to ones)."""
     path = build_checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32)
-    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
     if LayerStack.of(llm.engine.runner.model) is None:
         pytest.skip("no bf16 kernel streams these layers on this CPU")
     g = torch.Generator().manual_seed(0)
@@ -105,7 +105,7 @@ def test_the_layer_stack_passes_each_layers_window(tmp_path, windows):
     one per layer, and a full layer beside a sliding one (Gemma 3's interleaving), each
     layer's window passed to its attention as the Python layer passes it."""
     path = build_checkpoint(tmp_path / "mistral", "mistral", sliding_window=4)
-    llm = LLM(str(path), dtype="bfloat16", quantization="int8", max_num_seqs=2, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization="int8", max_num_seqs=2, enable_prefix_caching=False)
     for layer, window in zip(llm.engine.runner.model.layers, windows):
         layer.self_attn.attn.window = window
     assert LayerStack.of(llm.engine.runner.model).windows == [w or 0 for w in windows]
@@ -119,7 +119,7 @@ def test_the_layer_stack_passes_each_layers_window(tmp_path, windows):
 
 def test_steps_the_stack_does_not_cover_run_the_python_layers():
     """A bf16 prompt (more rows than small_m_linear takes) never reaches the stack."""
-    llm = LLM("dummy:tiny", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
     rows = llm.engine.runner.ops.streaming_rows(False)
     assert rows >= 1
     runner = llm.engine.runner

@@ -69,7 +69,7 @@ def test_logprobs_match(checkpoint, kernels):
     that is larger (llama_hd64's large logits put float32 transformers up to 3.4e-4 off
     float64; two float32 implementations then differ by up to twice that)."""
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="float32", kernels=kernels)
+    llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels)
     prompt = prompts(1, seed=1, lo=40, hi=40)[0]
     result = llm.generate([prompt], greedy(8, logprobs=5), use_tqdm=False)[0].outputs[0]
     tokens = prompt + result.token_ids
@@ -116,7 +116,7 @@ def test_staggered_batch_matches_alone(checkpoint):
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_chunked_prefill_matches(checkpoint, kernels):
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7, kernels=kernels)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=7, kernels=kernels)
     check_against_reference(ref, llm, n=9, seed=3)
     assert llm.engine.counters.steps > 0
 
@@ -140,7 +140,7 @@ def test_preemption_matches(checkpoint):
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_bfloat16_runs_close_to_reference(checkpoint, kernels):
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="bfloat16", kernels=kernels)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", kernels=kernels)
     prompt = prompts(1, seed=5, lo=30, hi=30)[0]
     # A prefill, then decode steps of one request (the native one-row linear kernel).
     out = llm.generate([prompt], greedy(4, logprobs=1), use_tqdm=False)[0].outputs[0]
@@ -166,7 +166,7 @@ def test_prompt_logprobs_match(checkpoint, kernels):
     transformers' log-softmax, with prompts chunked in 7-token steps, a pool small enough to
     preempt, and a shared prefix that must not come from the prefix cache (no logits there)."""
     path, ref = checkpoint
-    llm = LLM(str(path), dtype="float32", kernels=kernels, max_num_batched_tokens=7, block_size=8,
+    llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels, max_num_batched_tokens=7, block_size=8,
               num_kv_blocks=10)
     # A model whose every layer slides (mistral_w7) holds only its windows' blocks, and these
     # prompts, prefilled one at a time, never fill that pool: here it holds every block, as a
@@ -206,7 +206,7 @@ def test_mistral_window_gives_back_blocks(tmp_path, kernels):
     prompt = prompts(1, seed=7, lo=40, hi=40)[0]  # 41 tokens, then 259 more
     want = reference_greedy(ref, prompt, 259)
     for caching in (False, True):
-        llm = LLM(str(path), dtype="float32", kernels=kernels, block_size=16, num_kv_blocks=19,
+        llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels, block_size=16, num_kv_blocks=19,
                   enable_prefix_caching=caching)
         kv = llm.engine.kv
         assert kv.sliding_window == 16

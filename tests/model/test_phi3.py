@@ -36,10 +36,10 @@ def prompt_of(length: int, seed: int) -> list[int]:
 def test_longrope_matches_transformers(checkpoint, kernels, regime):
     path, ref = checkpoint
     if regime == "short":  # a context within the pretraining length, short sequences
-        llm = LLM(str(path), dtype="float32", kernels=kernels, max_model_len=ORIGINAL)
+        llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels, max_model_len=ORIGINAL)
         prompts, new = [prompt_of(n, n) for n in (5, 20, 40)], 16
     else:  # the default context (256 > 64): prompts already past the pretraining length
-        llm = LLM(str(path), dtype="float32", kernels=kernels, max_num_batched_tokens=48)
+        llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels, max_num_batched_tokens=48)
         prompts, new = [prompt_of(n, n) for n in (65, 90, 150)], 16
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=1)
     for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):

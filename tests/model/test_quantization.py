@@ -97,12 +97,12 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
 
 @needs_stories
 def test_stories260k_quantized_stays_close_and_int8_keeps_the_greedy_text():
-    base = LLM(str(STORIES), dtype="float32", quantization="none")
+    base = LLM(str(STORIES), device="cpu", dtype="float32", quantization="none")
     ids = base.tokenizer.encode(STORIES_EXPECTED)
     ref = sequence_logprobs(base, ids)
     bounds = {"int8": (0.002, 0.97), "int4": (0.05, 0.85)}  # (mean KL at most, top-1 at least)
     for method, (max_kl, min_top1) in bounds.items():
-        llm = LLM(str(STORIES), dtype="float32", quantization=method, quantization_group_size=32)
+        llm = LLM(str(STORIES), device="cpu", dtype="float32", quantization=method, quantization_group_size=32)
         kl, top1 = compare(ref, sequence_logprobs(llm, ids))
         print(f"stories260K {method}: mean KL {kl:.5f} nats, top-1 agreement {top1:.3f} over {len(ids)} positions")
         assert kl <= max_kl and top1 >= min_top1, (method, kl, top1)
@@ -117,27 +117,27 @@ def test_the_lm_head_takes_its_own_quantization():
     """lm_head_quantization: auto keeps the LM head int8 under int4, int4 and none do what they
     say, and each stays within int4's bounds on the trained model (measured here: mean KL 0.018
     with the int8 head, 0.035 with an int4 one: the head's error goes straight to the logits)."""
-    base = LLM(str(STORIES), dtype="float32", quantization="none")
+    base = LLM(str(STORIES), device="cpu", dtype="float32", quantization="none")
     ids = base.tokenizer.encode(STORIES_EXPECTED)
     ref = sequence_logprobs(base, ids)
     cases = [("int4", "auto", Int8Weight), ("int4", "int4", Int4Weight), ("int4", "none", torch.Tensor),
              ("int8", "int4", Int4Weight)]
     for method, head, kind in cases:
-        llm = LLM(str(STORIES), dtype="float32", quantization=method, quantization_group_size=32,
+        llm = LLM(str(STORIES), device="cpu", dtype="float32", quantization=method, quantization_group_size=32,
                   lm_head_quantization=head)
         assert isinstance(llm.engine.runner.model.lm_head_weight, kind), (method, head)
         kl, top1 = compare(ref, sequence_logprobs(llm, ids))
         print(f"stories260K {method}, LM head {head}: mean KL {kl:.5f}, top-1 {top1:.3f}")
         assert kl <= 0.05 and top1 >= 0.85, (method, head, kl, top1)
     with pytest.raises(ValueError, match="lm_head_quantization applies with quantization int8 or int4"):
-        LLM(str(STORIES), lm_head_quantization="int4")
+        LLM(str(STORIES), device="cpu", lm_head_quantization="int4")
 
 
 def test_random_50m_model_quantized_stays_close_and_takes_less_memory():
     """bf16 random-init 50M Llama (hidden 512, 8 layers), over 128 random tokens; the linear
     layers' bytes (the LM head apart) about 1/2 and 1/4 of bf16's."""
     ids = torch.randint(3, 32000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    base = LLM("dummy:llama-50m", dtype="bfloat16", quantization="none", num_kv_blocks=16)
+    base = LLM("dummy:llama-50m", device="cpu", dtype="bfloat16", quantization="none", num_kv_blocks=16)
     ref = sequence_logprobs(base, ids)
 
     def linear_bytes(llm: LLM) -> int:
@@ -151,7 +151,7 @@ def test_random_50m_model_quantized_stays_close_and_takes_less_memory():
     # the trained stories260K above bounds top-1 for both.
     bounds = {"int8": (0.002, 0.8, 0.52), "int4": (0.05, 0.0, 0.30)}  # KL, top-1, memory share
     for method, (max_kl, min_top1, max_share) in bounds.items():
-        llm = LLM("dummy:llama-50m", dtype="bfloat16", quantization=method, num_kv_blocks=16)
+        llm = LLM("dummy:llama-50m", device="cpu", dtype="bfloat16", quantization=method, num_kv_blocks=16)
         kl, top1 = compare(ref, sequence_logprobs(llm, ids))
         share = linear_bytes(llm) / full
         print(f"50M {method}: mean KL {kl:.5f}, top-1 {top1:.3f}, linear layers {share:.3f} of bf16's bytes")
@@ -227,8 +227,8 @@ def test_a_quantized_gguf_file_stays_quantized(tmp_path, kind):
     # Its linear layers in Q8_0 or Q4_0, those whose inputs are a multiple of 32: all but
     # ffn_down (172 wide), which stays F32.
     assert requantize_gguf(STORIES, path, GGUF_KINDS[kind]) == 6 * 5  # 6 of 7 linears, 5 layers
-    kept = LLM(str(path), dtype="float32")  # quantization auto: the blocks stay quantized
-    dequantized = LLM(str(path), dtype="float32", quantization="none")
+    kept = LLM(str(path), device="cpu", dtype="float32")  # quantization auto: the blocks stay quantized
+    dequantized = LLM(str(path), device="cpu", dtype="float32", quantization="none")
     model = kept.engine.runner.model
     qkv = model.layers[0].self_attn.qkv_weight
     assert isinstance(qkv, Int8Weight if kind == "q8_0" else Int4Weight)
@@ -291,8 +291,8 @@ def test_a_q4_k_m_style_file_stays_quantized(tmp_path):
     fully dequantized: the same weights where exact, next-token distributions close."""
     path = tmp_path / "k-quants.gguf"
     write_k_quant_gguf(STORIES, path)
-    kept = LLM(str(path), dtype="float32")
-    dequantized = LLM(str(path), dtype="float32", quantization="none")
+    kept = LLM(str(path), device="cpu", dtype="float32")
+    dequantized = LLM(str(path), device="cpu", dtype="float32", quantization="none")
     layer, ref_layer = kept.engine.runner.model.layers[0], dequantized.engine.runner.model.layers[0]
     gate_up, down = layer.mlp.gate_up_weight, layer.mlp.down_weight
     assert isinstance(gate_up, Int4Weight) and gate_up.group_size == 32 and isinstance(down, Int8Weight)
@@ -312,7 +312,7 @@ def test_a_q4_k_m_style_file_stays_quantized(tmp_path):
 def test_tensor_parallel_ranks_quantize_their_own_shards():
     """Two ranks, int8: each quantizes its shard as it streams in (the output and down
     projections' per-channel scales then cover half the inputs each); the documented text."""
-    llm = LLM(str(STORIES), dtype="float32", quantization="int8", tensor_parallel_size=2)
+    llm = LLM(str(STORIES), device="cpu", dtype="float32", quantization="int8", tensor_parallel_size=2)
     try:
         driver = llm.engine.runner.runner.model  # rank 0's shard
         assert isinstance(driver.layers[0].self_attn.qkv_weight, Int8Weight)

@@ -20,6 +20,7 @@ import torch
 
 from travelator.model import kv_layout
 from travelator.model.attention import build_metadata, slot_mapping
+from travelator.model.device import building_on
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource
 from travelator.model.ops import TorchOps
@@ -45,7 +46,8 @@ class DraftModel:
         self.ops = ops
         self.device = device
         self.kv_dtype = kv_dtype
-        model = LlamaModel(source.arch, dtype, max_positions=max_model_len, ops=ops)
+        with building_on(device):  # on an accelerator, never whole on the host
+            model = LlamaModel(source.arch, dtype, max_positions=max_model_len, ops=ops)
         if source.weights is None:
             model.init_dummy_weights(1)  # not the target's seed: another random model
         else:

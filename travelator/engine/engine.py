@@ -16,6 +16,8 @@ from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.block_manager import KVCacheManager, blocks_for
 from travelator.engine.kv_handoff import KVHandoff, KVHandoffs
+from travelator.engine.kv_profile import LargestStep, device_memory_stats, profile_memory
+from travelator.engine.kv_sizing import MemoryProfile, kv_pool_blocks
 from travelator.engine.model_runner import RunnerSettings
 from travelator.engine.output_processor import OutputProcessor
 from travelator.engine.outputs import RequestOutput
@@ -59,6 +61,7 @@ class LLMEngine:
                                               grammars=self.grammars, draft=draft)
         self.dtype = dtype
         block_size = config.cache.block_size
+        self.memory_profile: MemoryProfile | None = None  # what start-up measured on a GPU
         num_blocks = self._size_kv_pool(block_size)
         self.runner.allocate_kv_cache(num_blocks, block_size)
         self.kv = KVCacheManager(
@@ -129,10 +132,19 @@ class LLMEngine:
     def _size_kv_pool(self, block_size: int) -> int:
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block(block_size)
+        stats = device_memory_stats(self.device)
         if cache.num_kv_blocks is not None:
             num_blocks = cache.num_kv_blocks
         elif cache.kv_cache_bytes is not None:
             num_blocks = cache.kv_cache_bytes // per_block
+        elif stats is not None:  # a GPU server's sizing: what its memory share leaves
+            sched = self.config.scheduler
+            step = LargestStep(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len,
+                               block_size)
+            profile = self.memory_profile = profile_memory(self.runner, stats, step)
+            logger.info("device memory: %s", profile)
+            num_blocks = kv_pool_blocks(cache.gpu_memory_utilization, profile, per_block, block_size,
+                                        self.max_model_len)
         else:
             wanted = self.config.scheduler.max_num_seqs * blocks_for(self.max_model_len, block_size)
             affordable = int(_free_memory_bytes(self.device) * cache.kv_memory_share) // per_block
@@ -313,9 +325,7 @@ class LLMEngine:
 
 
 def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+    """Free host memory: what the CPU's KV pool takes a share of (CUDA is profiled instead)."""
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

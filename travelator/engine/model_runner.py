@@ -27,6 +27,7 @@ from travelator.engine.scheduler_output import PromptLogprobs, RunnerOutput, Sam
 from travelator.engine.step_staging import StepStaging
 from travelator.model import kv_layout
 from travelator.model.arch import ModelArch
+from travelator.model.device import building_on
 from travelator.model.host_memory import retain_freed_memory
 from travelator.model.llama import LlamaModel
 from travelator.model.loader import ModelSource, WeightIterator
@@ -238,14 +239,15 @@ def _load_model(config: ModelConfig, arch: ModelArch, weights: WeightIterator | 
     if method is not None and device.type != "cpu":
         raise ValueError(f"quantization {method} runs on the CPU (the engine's CPU kernels); "
                          f"the device is {device}")
-    model = LlamaModel(arch, settings.dtype, max_positions=settings.max_model_len, tp=tp, ops=ops,
-                       quantization=method, group_size=config.quantization_group_size,
-                       keep_gguf_quants=config.quantization == "auto" and device.type == "cpu",
-                       lm_head_quantization=config.lm_head_quantization)
+    with building_on(device):
+        model = LlamaModel(arch, settings.dtype, max_positions=settings.max_model_len, tp=tp, ops=ops,
+                           quantization=method, group_size=config.quantization_group_size,
+                           keep_gguf_quants=config.quantization == "auto" and device.type == "cpu",
+                           lm_head_quantization=config.lm_head_quantization)
     if weights is None:
         model.init_dummy_weights(config.seed)
     else:
         model.load_weights(weights())
-    model = model.to(device)
+    model = model.to(device)  # the CPU's model; already there elsewhere
     ops.prepare(model.linear_weights())
     return model

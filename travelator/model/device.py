@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _DTYPES = {
@@ -15,6 +17,13 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def building_on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a model's parameters are created: on an accelerator straight on it, so that the
+    host never holds the whole model (each loaded tensor is copied over as it is read); on the
+    CPU as before."""
+    return contextlib.nullcontext() if device.type == "cpu" else torch.device(device)
 
 
 def cpu_has_native_bf16() -> bool:
