@@ -20,8 +20,7 @@ sections are skipped with a note. The sections:
    the sampler's exponential race over 64 rows of a 128k vocabulary: figures, no targets;
 3. an engine of ``dummy:llama-8b`` (the Llama-3-8B shape, bf16, kernels auto: Triton on CUDA;
    256 requests a step, 4096 tokens a step, context 2048, a 16 GiB KV pool), shared by the
-   sections below; its weights are one drawn block of normals tiled over every parameter
-   (drawing 8G normals one by one on the host is slow; no timing here depends on the values);
+   sections below; its random weights are drawn on the GPU;
 4. batch-1 decode: the median engine step of one request decoding against the time to stream
    the weights a decode step reads once at the copy bandwidth. Target <= 1.3x;
 5. a decode step of 64 requests at 1k context against one of 64 requests at context ~0 (one-
@@ -50,9 +49,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -327,41 +325,12 @@ def kernels(check: Check) -> None:
 
 
 # ---- 3. engines -------------------------------------------------------------------------------
-@contextmanager
-def tiled_random_weights() -> Iterator[None]:
-    """Dummy weights drawn as one block of normals (scale 0.02) tiled over each parameter, in
-    place of one draw per weight on the host (minutes for 8G normals); bf16, one rank."""
-    import torch
-
-    from travelator.model.llama import LlamaModel
-
-    original = LlamaModel.init_dummy_weights
-
-    def tiled(model: LlamaModel, seed: int) -> None:
-        block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed)) * 0.02
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.data.fill_(0.0 if model.arch.norm_unit_offset else 1.0)
-                continue
-            flat, width = p.data.view(-1), block.numel()
-            full = flat.numel() // width * width
-            flat[:full].view(-1, width).copy_(block.to(p.dtype).expand(full // width, width))
-            flat[full:].copy_(block[:flat.numel() - full])
-
-    LlamaModel.init_dummy_weights = tiled
-    try:
-        yield
-    finally:
-        LlamaModel.init_dummy_weights = original
-
-
 def start_engine(plan: Plan, batching: str = "iteration") -> Any:
     from travelator import LLM
 
-    with tiled_random_weights():
-        return LLM(plan.model, device=plan.device, dtype="bfloat16", batching=batching,
-                   max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=plan.max_num_batched_tokens,
-                   max_model_len=plan.max_model_len, kv_cache_bytes=plan.kv_cache_bytes)
+    return LLM(plan.model, device=plan.device, dtype="bfloat16", batching=batching,
+               max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=plan.max_num_batched_tokens,
+               max_model_len=plan.max_model_len, kv_cache_bytes=plan.kv_cache_bytes)
 
 
 def load_engine(check: Check) -> None:

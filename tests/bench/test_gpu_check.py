@@ -87,29 +87,3 @@ def test_batch1_section_on_the_cpu():
     assert start.check == "engine start-up: dummy:tiny" and "bfloat16, cpu" in start.measured
     assert row.target == "<= 1.3x" and row.verdict in ("pass", "FAIL")
     assert float(row.measured.split("x:")[0]) > 0
-
-
-def test_tiled_weights_repeat_one_drawn_block():
-    import torch
-
-    from travelator.model.llama import LlamaModel
-
-    class Fake(torch.nn.Module):
-        arch = type("Arch", (), {"norm_unit_offset": False})
-
-        def __init__(self):
-            super().__init__()
-            self.big = torch.nn.Parameter(torch.empty(5, 500_000, dtype=torch.bfloat16))
-            self.final_norm = torch.nn.Module()
-            self.final_norm.weight = torch.nn.Parameter(torch.empty(7))
-
-    original = LlamaModel.init_dummy_weights
-    model = Fake()
-    with gc.tiled_random_weights():
-        LlamaModel.init_dummy_weights(model, 3)
-    assert LlamaModel.init_dummy_weights is original
-    flat, width = model.big.detach().view(-1), 1 << 20
-    assert torch.equal(flat[:width], flat[width:2 * width])
-    assert torch.equal(flat[2 * width:], flat[:flat.numel() - 2 * width])  # the remainder
-    assert flat.float().std().item() == pytest.approx(0.02, rel=0.05)
-    assert torch.equal(model.final_norm.weight.detach(), torch.ones(7))

@@ -272,14 +272,17 @@ class LlamaModel(nn.Module):
         """Random weights with a realistic scale, for benchmarks without a download.
 
         Each parameter is drawn whole, in order, from one generator, then cut to this
-        rank's shard: every tensor-parallel size gives the same model as one rank.
+        rank's shard: every tensor-parallel size gives the same model as one rank. They are
+        drawn where the model lives (an accelerator draws billions in moments; its stream
+        differs from the CPU's).
         """
-        g = torch.Generator().manual_seed(seed)
+        device = self.embed.device if self.embed.device.type == "cuda" else torch.device("cpu")
+        g = torch.Generator(device=device).manual_seed(seed)
         for name, p in list(self.named_parameters()):
             if name.endswith("norm.weight"):
                 p.data.fill_(0.0 if self.arch.norm_unit_offset else 1.0)  # a scale of 1 either way
                 continue
-            full = torch.randn(self.full_shapes[name], generator=g) * 0.02
+            full = torch.randn(self.full_shapes[name], generator=g, device=device) * 0.02
             shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
             fmt = self.quant_policy.for_random(name, tuple(shard.shape))
             if fmt is not None:
