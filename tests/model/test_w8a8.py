@@ -16,7 +16,7 @@ from paths import STORIES, STORIES_EXPECTED, needs_stories
 from test_quantization import compare, sequence_logprobs
 
 from travelator import LLM
-from travelator.model.quant import W8A8_ROWS, quantize
+from travelator.model.quant import W8A8_MAX_IN, W8A8_ROWS, quantize
 
 
 def _ops(batch_invariant: bool = False):
@@ -133,6 +133,17 @@ def test_the_route_takes_w8a8_from_its_rows_and_the_weight_only_kernel_below():
         assert torch.equal(got, want), rows
     x3 = torch.randn(2, 5, 200, generator=torch.Generator().manual_seed(7))
     assert torch.equal(ops.linear(x3, q), ops.linear(x3.reshape(10, 200), q).reshape(2, 5, 136))
+
+
+def test_a_layer_too_wide_for_its_int32_sums_keeps_the_weight_only_kernel():
+    """Past W8A8_MAX_IN inputs K * 127 * 127 could overflow int32: the kernel refuses such a
+    weight, and the route leaves it to the weight-only kernel (blocks of 128 inputs)."""
+    ops = _ops()
+    q = _weight(1, W8A8_MAX_IN + 1, seed=6)
+    x = torch.randn(W8A8_ROWS, W8A8_MAX_IN + 1, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.ops.travelator.quant_linear_w8a8(x, q.packed, q.scales, None, 1)
+    assert torch.equal(ops.linear(x, q), torch.ops.travelator.quant_linear_int8(x, q.packed, q.scales, 1))
 
 
 def test_a_row_does_not_depend_on_its_batch():

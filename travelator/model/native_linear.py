@@ -33,6 +33,7 @@ from travelator.model.quant import (
     QUANT_KERNEL_ROWS,
     QUANT_KERNEL_ROWS_FLOAT32_GEMM,
     TILE_ROWS,
+    W8A8_MAX_IN,
     W8A8_ROWS,
     Int8Weight,
     QuantizedWeight,
@@ -220,7 +221,7 @@ class NativeLinear:
         GEMM)."""
         native = x.dtype in (torch.bfloat16, torch.float32)
         n_rows = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        if native and isinstance(weight, Int8Weight) and self.w8a8_rows and n_rows >= self.w8a8_rows:
+        if native and self.w8a8_rows and n_rows >= self.w8a8_rows and _w8a8_fits(weight):
             return _over_rows(partial(self._w8a8, weight, self._widened_bias(bias)), x)
         if native and self._quant_kernel_built and (self._batch_invariant or n_rows <= self.quant_kernel_rows):
             out = _over_rows(partial(self._integer_kernel, weight), x)
@@ -263,6 +264,11 @@ class NativeLinear:
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _w8a8_fits(weight: QuantizedWeight) -> bool:
+    """An int8 weight whose inputs the W8A8 kernel's int32 sums can hold."""
+    return isinstance(weight, Int8Weight) and weight.packed_in_features <= W8A8_MAX_IN
 
 
 def _plain_gemm(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,8 @@ QUANT_KERNEL_ROWS_FLOAT32_GEMM = 256
 # a bf16 GEMM (AVX2), where it was measured against the kernel above and the float32 GEMM
 # (docs/design.md). Fewer rows keep the weight-only kernel, as fast there and more exact.
 W8A8_ROWS = 4
+# Inputs (padded) up to which its int32 sums cannot overflow: K * 127 * 127 < 2^31.
+W8A8_MAX_IN = 131072
 
 
 def _padded(n: int, multiple: int) -> int:
