@@ -5,7 +5,10 @@ kernel ``small_m_linear`` up to 2 rows (4 on AVX2), oneDNN's pre-packed GEMM abo
 AVX-512 bf16, or float32 on widened weights where there is no bf16 GEMM). int8 and int4: the
 engine's integer kernel (``csrc/quant_linear.cpp``) up to ``NativeOps.quant_kernel_rows`` rows
 (32, or 256 without a bf16 GEMM; ``--quant-kernel-rows`` overrides it), above that the weight
-dequantized into a kept buffer and the GEMM. "torch int8" and "torch int4" are
+dequantized into a kept buffer and the GEMM. "W8A8": int8 weights through the W8A8 kernel
+(``csrc/quant_w8a8.cpp``, x quantized per row to int8) from ``NativeOps.w8a8_rows`` rows, where
+it is on (CPUs without a bf16 GEMM); "int8" is then the same route with it off, the weight-only
+kernel and the dequantizing path. "torch int8" and "torch int4" are
 torch's own CPU kernels on the same codes (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``), for comparison. The weight is larger than the L3 cache by default (the 250M model's gate/up
 projection, 5632 x 1024, repeated over 8 copies), so each call streams it from memory, as in a
@@ -13,6 +16,7 @@ decode step. Medians of repeats; the CPU and the load average are printed first.
 
     python benchmarks/quantized_linear.py
     python benchmarks/quantized_linear.py --out-features 2048 --in-features 512 --rows 1 16 64 256
+    python benchmarks/quantized_linear.py --rows 16 64 256 1024 2048 --copies 2 --repeats 3 --no-torch-kernels
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ def torch_int4(w: Int4Weight):
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, w.group_size, scales_zeros)
 
 
+def with_w8a8(ops, rows: int):
+    """ops.linear with int8 layers taking W8A8 from ``rows`` rows (0: never)."""
+    def linear(x, w):
+        if rows or getattr(ops, "w8a8_rows", 0):
+            ops.w8a8_rows = rows
+        return ops.linear(x, w)
+    return linear
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-features", type=int, default=5632)
@@ -69,17 +82,22 @@ def main() -> None:
     ops.prepare(weights)
     if args.quant_kernel_rows is not None:
         ops.quant_kernel_rows = args.quant_kernel_rows
+    w8a8_rows = getattr(ops, "w8a8_rows", 0)
     int8 = [quantize(w, "int8") for w in weights]
     int4 = [quantize(w, "int4", args.group_size) for w in weights]
     kinds = {
         "bf16": (weights, ops.linear),
-        "int8": (int8, ops.linear),
+        "int8": (int8, with_w8a8(ops, 0)),
         "int4": (int4, ops.linear),
     }
+    if w8a8_rows:
+        kinds["W8A8"] = (int8, with_w8a8(ops, w8a8_rows))
     if not args.no_torch_kernels:
         kinds["torch int8"] = ([torch_int8(w) for w in int8], lambda x, f: f(x))
         kinds["torch int4"] = ([torch_int4(w) for w in int4], lambda x, f: f(x))
-    print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>16}" for k in kinds) + "   int8 vs bf16   int4 vs bf16")
+    ratios = [("int8", "bf16"), ("int4", "bf16")] + ([("W8A8", "bf16"), ("W8A8", "int8")] if w8a8_rows else [])
+    print(f"{'rows':>5} " + " ".join(f"{k + ' (ms)':>16}" for k in kinds)
+          + "".join(f"{a + ' vs ' + b:>15}" for a, b in ratios))
     for m in args.rows:
         x = torch.randn(m, args.in_features, generator=g).bfloat16()
         ms = {}
@@ -89,7 +107,7 @@ def main() -> None:
                     linear(x, w)
             ms[kind] = median_seconds(run_all, args.repeats) / len(ws) * 1e3
         print(f"{m:>5} " + " ".join(f"{ms[k]:>16.3f}" for k in kinds)
-              + f"   {ms['bf16'] / ms['int8']:>10.2f}x   {ms['bf16'] / ms['int4']:>10.2f}x", flush=True)
+              + "".join(f"{ms[b] / ms[a]:>14.2f}x" for a, b in ratios), flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ CASES: dict[str, Callable[[], object]] = {
     "quant_linear_int8": lambda: ops.quant_linear_int8(_quant_x(), _packed(32), torch.zeros(TILE - 1), TILE),
     "quant_linear_int4": lambda: ops.quant_linear_int4(_quant_x(), _packed(16), torch.zeros(1, 1, 2, TILE), 0,
                                                        TILE),  # group 0
+    "quant_linear_w8a8": lambda: ops.quant_linear_w8a8(_quant_x(), _packed(32), torch.zeros(TILE), torch.zeros(3),
+                                                       TILE),  # bias of 3 for 64 outputs
     "quant_dequantize_int8": lambda: ops.quant_dequantize_int8(_packed(32), torch.zeros(TILE - 1),
                                                                torch.zeros(128, TILE)),  # short scales
     "quant_dequantize_int4": lambda: ops.quant_dequantize_int4(_packed(16), torch.zeros(1, 1, 2, TILE), 0,

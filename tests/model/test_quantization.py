@@ -330,7 +330,9 @@ def _native_ops(batch_invariant: bool = False):
 
     if not kernels.available() or not hasattr(torch.ops.travelator, "quant_linear_int8"):
         pytest.skip("the native quantized kernel (AVX512-VNNI or AVX2) does not build here")
-    return NativeOps(batch_invariant=batch_invariant)
+    ops = NativeOps(batch_invariant=batch_invariant)
+    ops.w8a8_rows = 0  # these tests are the weight-only kernel's and the dequantizing path's (W8A8: test_w8a8.py)
+    return ops
 
 
 def _reference_weight(q) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from travelator.model.attention import AttentionMetadata
 from travelator.model.layers import RotaryEmbedding
+from travelator.model.linear_route import LinearRoute
 
 
 # Families whose layers the native stack does not run: Gemma 3's sandwich norms, two ropes and
@@ -33,7 +34,9 @@ class LayerStack:
     linear_tensors: list[torch.Tensor | None]  # per linear layer (a, b, bias), see csrc/layer_stack.cpp
     linear_ints: list[int]  # per linear layer (route, group, out_features)
     windows: list[int]  # per layer its attention's sliding window, 0 for none
-    quantized: frozenset[bool]  # which kinds of weights it holds (their row limits differ)
+    # Which kinds of weights it holds, (quantized, int8), as ``streaming_rows`` takes them:
+    # their row limits differ.
+    row_kinds: frozenset[tuple[bool, bool]]
     dtype: torch.dtype
     num_heads: int
     num_kv_heads: int
@@ -63,7 +66,7 @@ class LayerStack:
                     return None
                 tensors += [spec.a, spec.b, spec.bias]
                 ints += [int(spec.route), spec.group, spec.out_features]
-                kinds.add(spec.quantized)
+                kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn
         return LayerStack(norms, head_norms, tensors, ints, windows, frozenset(kinds), model.dtype, first.num_heads,
@@ -73,7 +76,7 @@ class LayerStack:
         """Whether the Python layers would take the streaming kernels and native attention."""
         if meta.backend != "native" or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
             return False
-        return all(rows <= ops.streaming_rows(q) for q in self.quantized)
+        return all(rows <= ops.streaming_rows(q, int8) for q, int8 in self.row_kinds)
 
     @staticmethod
     def k_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:

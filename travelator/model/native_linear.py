@@ -8,7 +8,9 @@ and packed on CPUs where oneDNN has no bf16 GEMM. A float32 weight is packed for
 float32 GEMM. A call only follows the route; within the
 oneDNN routes, steps of a few rows stream the natural-layout weight through ``small_m_linear``
 instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows, and are
-dequantized past that. The native layer stack reads the same routes (``streaming_linear``).
+dequantized past that; where there is no bf16 GEMM (AVX2), int8 weights take the W8A8 kernel
+from ``W8A8_ROWS`` rows instead. The native layer stack reads the same routes
+(``streaming_linear``).
 
 With ``batch_invariant`` every row's numbers are independent of the other rows of the step:
 the native kernels already compute each row on its own, and the GEMMs always run in tiles of
@@ -31,6 +33,8 @@ from travelator.model.quant import (
     QUANT_KERNEL_ROWS,
     QUANT_KERNEL_ROWS_FLOAT32_GEMM,
     TILE_ROWS,
+    W8A8_MAX_IN,
+    W8A8_ROWS,
     Int8Weight,
     QuantizedWeight,
     quantized_linear,
@@ -114,6 +118,12 @@ class NativeLinear:
         self._bf16_gemm = bf16_gemm
         # Rows of x up to which a quantized layer takes the integer kernel (any, when invariant).
         self.quant_kernel_rows = QUANT_KERNEL_ROWS if bf16_gemm else QUANT_KERNEL_ROWS_FLOAT32_GEMM
+        # Rows of x from which an int8 layer takes the W8A8 kernel (0: never). On where it was
+        # measured faster: without a bf16 GEMM. Its rows never depend on each other, but a
+        # second kernel chosen by the row count would make them depend on the batch: when
+        # invariant it takes every row count.
+        w8a8 = hasattr(self._ops, "quant_linear_w8a8") and not bf16_gemm
+        self.w8a8_rows = (1 if batch_invariant else W8A8_ROWS) if w8a8 else 0
 
     def prepare(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
         if not torch.backends.mkldnn.is_available():
@@ -182,14 +192,15 @@ class NativeLinear:
             return None
         return StreamingLinear(prepared.route, weight, None, None, 0, weight.shape[0])
 
-    def streaming_rows(self, quantized: bool) -> int:
+    def streaming_rows(self, quantized: bool, int8: bool = False) -> int:
         """The most rows of x for which ``__call__`` takes the streaming kernel that
-        ``streaming_linear`` names (0: none)."""
+        ``streaming_linear`` names (0: none); int8: for an int8 weight (W8A8 above)."""
         if not quantized:
             return self._small_m_rows
         if not self._quant_kernel_built:
             return 0
-        return sys.maxsize if self._batch_invariant else self.quant_kernel_rows
+        rows = sys.maxsize if self._batch_invariant else self.quant_kernel_rows
+        return min(rows, self.w8a8_rows - 1) if int8 and self.w8a8_rows else rows
 
     def _gemm(self, call: Rows, x: torch.Tensor) -> torch.Tensor:
         return _in_fixed_tiles(call, x) if self._batch_invariant else call(x)
@@ -203,12 +214,15 @@ class NativeLinear:
         return wide
 
     def _quantized(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """Up to quant_kernel_rows rows, the engine's integer kernel, which streams the quantized
-        bytes; its rows never depend on each other, so batch-invariant mode takes it for any
-        count. More rows: the weight dequantized, then the GEMM of x's dtype (oneDNN; float32
-        where there is no bf16 GEMM)."""
+        """int8 from w8a8_rows rows (where on): the W8A8 kernel. Else up to quant_kernel_rows
+        rows, the engine's integer kernel, which streams the quantized bytes; its rows never
+        depend on each other, so batch-invariant mode takes it for any count. More rows: the
+        weight dequantized, then the GEMM of x's dtype (oneDNN; float32 where there is no bf16
+        GEMM)."""
         native = x.dtype in (torch.bfloat16, torch.float32)
         n_rows = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
+        if native and self.w8a8_rows and n_rows >= self.w8a8_rows and _w8a8_fits(weight):
+            return _over_rows(partial(self._w8a8, weight, self._widened_bias(bias)), x)
         if native and self._quant_kernel_built and (self._batch_invariant or n_rows <= self.quant_kernel_rows):
             out = _over_rows(partial(self._integer_kernel, weight), x)
             return out if bias is None else out + bias
@@ -216,6 +230,9 @@ class NativeLinear:
             return self._gemm(partial(self._dequantized_linear, weight=weight, bias=bias), x)
         # No native build, or float16: torch dequantizes the whole weight every call.
         return self._gemm(partial(quantized_linear, weight=weight, bias=bias), x)
+
+    def _w8a8(self, weight: Int8Weight, wide_bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        return self._ops.quant_linear_w8a8(rows, weight.packed, weight.scales, wide_bias, weight.out_features)
 
     def _integer_kernel(self, weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
@@ -247,6 +264,11 @@ class NativeLinear:
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _w8a8_fits(weight: QuantizedWeight) -> bool:
+    """An int8 weight whose inputs the W8A8 kernel's int32 sums can hold."""
+    return isinstance(weight, Int8Weight) and weight.packed_in_features <= W8A8_MAX_IN
 
 
 def _plain_gemm(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

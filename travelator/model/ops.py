@@ -53,9 +53,9 @@ class TorchOps:
         """How the native layer stack calls this layer (None: it cannot; torch never does)."""
         return None
 
-    def streaming_rows(self, quantized: bool) -> int:
+    def streaming_rows(self, quantized: bool, int8: bool = False) -> int:
         """The most rows of x for which ``linear`` takes the streaming kernel that
-        ``streaming_linear`` names (0: none)."""
+        ``streaming_linear`` names (0: none); int8: for an int8 weight."""
         return 0
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -126,6 +126,19 @@ class NativeOps(TorchOps):
         """Rows of x up to which a quantized layer takes the integer kernel."""
         return self._linear.quant_kernel_rows
 
+    @quant_kernel_rows.setter
+    def quant_kernel_rows(self, rows: int) -> None:
+        self._linear.quant_kernel_rows = rows
+
+    @property
+    def w8a8_rows(self) -> int:
+        """Rows of x from which an int8 layer takes the W8A8 kernel (0: never)."""
+        return self._linear.w8a8_rows
+
+    @w8a8_rows.setter
+    def w8a8_rows(self, rows: int) -> None:
+        self._linear.w8a8_rows = rows
+
     def prepare(self, linear_weights):
         self._linear.prepare(linear_weights)
 
@@ -139,8 +152,8 @@ class NativeOps(TorchOps):
     def streaming_linear(self, weight, bias):
         return self._linear.streaming_linear(weight, bias)
 
-    def streaming_rows(self, quantized):
-        return self._linear.streaming_rows(quantized)
+    def streaming_rows(self, quantized, int8=False):
+        return self._linear.streaming_rows(quantized, int8)
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stack) -> torch.Tensor:

@@ -5,7 +5,8 @@ The weights stay quantized in memory, in the layout of the engine's own kernel
 1/4 of the bytes of a bf16 weight. Where that kernel does not apply (more than
 ``QUANT_KERNEL_ROWS`` rows, ``QUANT_KERNEL_ROWS_FLOAT32_GEMM`` on CPUs without a bf16 GEMM, or
 no native build) a layer is dequantized and multiplied in the activations' dtype (float32
-where there is no bf16 GEMM).
+where there is no bf16 GEMM). On CPUs without a bf16 GEMM, int8 layers take the W8A8 kernel
+(``csrc/quant_w8a8.cpp``, x quantized per row as well) from ``W8A8_ROWS`` rows instead.
 
 - int8: ``w[n, k] ~ q[n, k] * scale[n]``, q in [-127, 127], scale = max |w[n, :]| / 127.
 - int4: per group of ``group_size`` inputs, ``w ~ (q - 8) * scale + zero`` with q in [0, 15]
@@ -41,6 +42,13 @@ QUANT_KERNEL_ROWS = 32  # up to this many rows of x the native kernel beats dequ
 # parallelises over tiles of 64 output rows only, so the limit leaves room for machines with
 # more cores than a 1024-row layer has tiles.
 QUANT_KERNEL_ROWS_FLOAT32_GEMM = 256
+# From this many rows of x, int8 weights take the W8A8 kernel (csrc/quant_w8a8.cpp: x
+# quantized per row to int8 too, a register-blocked integer GEMM) where it is on: CPUs without
+# a bf16 GEMM (AVX2), where it was measured against the kernel above and the float32 GEMM
+# (docs/design.md). Fewer rows keep the weight-only kernel, as fast there and more exact.
+W8A8_ROWS = 4
+# Inputs (padded) up to which its int32 sums cannot overflow: K * 127 * 127 < 2^31.
+W8A8_MAX_IN = 131072
 
 
 def _padded(n: int, multiple: int) -> int:

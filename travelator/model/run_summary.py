@@ -43,6 +43,8 @@ def describe_run(ops, weights: list, dtype: torch.dtype, kv_dtype: torch.dtype,
         linear += f"; steps of up to {ops.streaming_rows(False)} rows stream the bf16 weights"
     if not all(isinstance(w, torch.Tensor) for w in weights) and ops.streaming_rows(True):
         linear += f"; the integer kernels take up to {ops.streaming_rows(True)} rows, more are dequantized"
+        if getattr(ops, "w8a8_rows", 0):
+            linear += f" (int8: W8A8 from {ops.w8a8_rows} rows)"
     kind = type(ops).__name__.removesuffix("Ops").lower()
     return (f"{_name(dtype)} on {device}, {kind} kernels: linear layers {linear}; "
             f"attention {ops.attention_backend}; KV cache {_name(kv_dtype)}")
