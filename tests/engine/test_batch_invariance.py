@@ -124,9 +124,11 @@ def mixed_batch(seed: int) -> list[Req]:
                 10, None) for _ in range(8)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_without_the_mode_batching_changes_the_numbers(dtype):
-    """The check above can fail: the default mode gives different logprobs in a batch."""
+    """The check above can fail: the default mode gives different logprobs in a batch (in
+    bf16, where a few rows stream the weights and more take the GEMM; float32 weights take
+    oneDNN's packed GEMM at every row count, whose rows came out the same here)."""
     reqs = mixed_batch(0)
     llm = LLM(MODEL, device="cpu", dtype=dtype, max_num_seqs=8, max_num_batched_tokens=100)
     batched = run(llm, reqs)
