@@ -170,12 +170,12 @@ def test_stories260k_w8a8_stays_close_to_bf16():
     top-1 0.97 over 130 positions; weight-only int8 0.0009, 0.99). Bounded at 0.01 nats and
     0.9: room for other builds' rounding, tighter than int4's bounds (0.05, 0.85) in
     test_quantization.py, and far below what a broken kernel gives."""
-    base = LLM(str(STORIES), dtype="bfloat16", quantization="none")
+    base = LLM(str(STORIES), device="cpu", dtype="bfloat16", quantization="none")
     texts = [STORIES_EXPECTED, "Tom had a red car. He liked to drive it to the park with his mom and dad.",
              "The little bird sat on the tree. It was sad because it could not fly. A kind girl came by."]
     ids = [base.tokenizer.encode(t) for t in texts]
     ref = torch.cat([sequence_logprobs(base, i) for i in ids])
-    llm = LLM(str(STORIES), dtype="bfloat16", quantization="int8")
+    llm = LLM(str(STORIES), device="cpu", dtype="bfloat16", quantization="int8")
     ops = llm.engine.runner.model.ops
     if not getattr(ops, "w8a8_rows", 0):
         pytest.skip("W8A8 is not on here (a bf16 GEMM, or no native build)")
