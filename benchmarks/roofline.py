@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch1_decode import stream_seconds, weight_bytes_per_decode  # noqa: E402
 from bench_timing import median_seconds  # noqa: E402
 
 PEERS = Path(__file__).resolve().parent.parent.parent / "shared" / "peers"
@@ -172,8 +173,7 @@ def gemm_flops(dtype: torch.dtype, n: int = 2048) -> float:
 
 
 def bandwidth(nbytes: int = 1 << 30) -> float:
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / median_seconds(buf.sum, repeats=9)
+    return nbytes / stream_seconds(nbytes, repeats=9)
 
 
 def measure_machine() -> Machine:
@@ -207,9 +207,6 @@ def model_cost(model: str, dtype: str, quantization: str) -> ModelCost:
 
     llm = LLM(model, dtype=dtype, quantization=quantization, num_kv_blocks=32, max_model_len=512)
     m, arch = llm.engine.runner.model, llm.engine.arch
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from batch1_decode import weight_bytes_per_decode
-
     head = arch.vocab_size * arch.hidden_size
     layers = arch.num_parameters - head * (1 if arch.tie_word_embeddings else 2)
     kv_elem = torch.empty(0, dtype=llm.engine.runner.kv_dtype).element_size()

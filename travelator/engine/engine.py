@@ -27,9 +27,9 @@ from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import SampledToken, SchedulerOutput
 from travelator.engine.step_stats import EngineCounters, StepStats
-from travelator import kernels
 from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
+from travelator.model.ops import native_kernels_chosen
 from travelator.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class LLMEngine:
         self.tokenizer = source.tokenizer
         self.device = pick_device(mc.device)
         dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device,
-                              native_cpu_kernels=self._native_cpu_kernels())
+                              native_cpu_kernels=native_kernels_chosen(mc.kernels, self.device))
         kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
@@ -92,11 +92,6 @@ class LLMEngine:
         self.runner.shutdown()
 
     # ---- set-up --------------------------------------------------------------------
-    def _native_cpu_kernels(self) -> bool:
-        """Whether the model will run on the native CPU kernels (model/ops.py's make_ops)."""
-        setting = self.config.model.kernels
-        return self.device.type == "cpu" and setting in ("auto", "native") and kernels.available()
-
     def _draft_source(self) -> ModelSource | None:
         """The draft model of speculative decoding, when it has one: same vocabulary."""
         name = self.config.scheduler.draft_model

@@ -233,6 +233,12 @@ def make_ops(kernels_setting: str, device: torch.device, batch_invariant: bool =
     return NativeOps() if kernels.available() else TorchOps()
 
 
+def native_kernels_chosen(kernels_setting: str, device: torch.device) -> bool:
+    """Whether ``make_ops`` gives these settings the native CPU kernels (where it does not
+    raise): the dtype the engine picks depends on it."""
+    return device.type == "cpu" and kernels_setting in ("auto", "native") and kernels.available()
+
+
 def _triton_ops(device: torch.device) -> TritonOps:
     """Triton compiles for CUDA devices; its interpreter (TRITON_INTERPRET=1) runs the same
     kernels on the CPU, which is how the tests check them without a GPU."""
