@@ -61,6 +61,19 @@ def gemma3_overrides(window: int = 4096) -> dict:
     )
 
 
+def mixtral_overrides() -> dict:
+    """Mixtral in small: 8 experts of intermediate 32, top-2 (always renormalised)."""
+    return dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)
+
+
+def qwen3_moe_overrides(norm_topk_prob: bool = True) -> dict:
+    """Qwen3-MoE in small: many small experts (16 of intermediate 16), top-4, the q/k head
+    norms, and a dense MLP (intermediate 128) in the layer mlp_only_layers names."""
+    return dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, intermediate_size=128,
+                norm_topk_prob=norm_topk_prob, num_hidden_layers=3, mlp_only_layers=[1], decoder_sparse_step=1,
+                head_dim=32)
+
+
 def randomize(path: Path, suffixes: tuple[str, ...], scale: float, offset: float = 0.0, seed: int = 1) -> None:
     """Redraw the checkpoint's tensors whose names end with ``suffixes`` as offset + scale * U(-1, 1)
     (transformers initialises norms and biases to constants, which hide mistakes in them)."""
@@ -76,8 +89,9 @@ def randomize(path: Path, suffixes: tuple[str, ...], scale: float, offset: float
 
 def build_checkpoint(path: Path, family: str, **overrides) -> Path:
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                              Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM,
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -92,6 +106,8 @@ def build_checkpoint(path: Path, family: str, **overrides) -> Path:
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[family]
     torch.manual_seed(0)
     model = cls[1](cls[0](**common)).eval()
@@ -103,7 +119,9 @@ def build_checkpoint(path: Path, family: str, **overrides) -> Path:
 def load_reference(path: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Mixtures of experts: transformers' plain loop over experts (its grouped kernels take no
+    # float64, which the logprob tests run the reference in).
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
 
 
 @torch.inference_mode()

@@ -1,5 +1,5 @@
-"""travelator against transformers on tiny random-init Llama, Qwen2, Qwen3 and Mistral models
-(one with a sliding window shorter than the prompts): logits and greedy tokens, alone and
+"""travelator against transformers on tiny random-init Llama, Qwen2, Qwen3, Mistral (one with a
+sliding window shorter than the prompts), Phi-3, Gemma 3, Mixtral and Qwen3-MoE models: logits and greedy tokens, alone and
 mixed in batches with staggered arrivals, chunked prefill and preemption."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from hf_models import (build_checkpoint, gemma3_overrides, load_reference, phi3_overrides, randomize,
-                       reference_greedy, reference_logprobs)
+from hf_models import (build_checkpoint, gemma3_overrides, load_reference, mixtral_overrides, phi3_overrides,
+                       qwen3_moe_overrides, randomize, reference_greedy, reference_logprobs)
 from staggered import greedy, run_staggered
 from travelator import LLM, SamplingParams
 
@@ -38,17 +38,23 @@ FAMILIES = {
     # head_dim 64: the vectorised path of the native attention kernel (16 takes the portable one).
     "llama_hd64": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
                    "initializer_range": 0.25},
+    # Mixtures of experts: Mixtral's 8 experts, top-2; Qwen3-MoE's 16 small ones, top-4,
+    # renormalised, with q/k head norms and a dense layer among the sparse ones.
+    "mixtral": mixtral_overrides(),
+    "qwen3_moe": qwen3_moe_overrides(),
 }
+# The transformers family of each case, where its name is not the family.
+FAMILY_OF = {"mistral_w7": "mistral", "gemma3_w5": "gemma3", "llama3": "llama", "llama_hd64": "llama"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     name = request.param
-    family = "llama" if name.startswith("llama") else name.split("_")[0]  # mistral_w7: mistral
+    family = FAMILY_OF.get(name, name)
     path = build_checkpoint(tmp_path_factory.mktemp(name), family, **FAMILIES[name])
     if family == "gemma3":
         randomize(path, ("norm.weight",), 0.5)  # unit offset: scales of 0.5 to 1.5
-    elif family == "qwen3":
+    elif family in ("qwen3", "qwen3_moe"):
         randomize(path, ("q_norm.weight", "k_norm.weight"), 0.5, offset=1.0)
     return path, load_reference(path)
 

@@ -61,7 +61,7 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     env = launch_env()
     if env is None and size == 1:
         return ModelRunner(model, arch, weights, settings, grammars=grammars, draft=draft)
-    check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, size)
+    check_divisible(arch, size)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
                          f"is {size}: pass --tensor-parallel-size {env.world_size}")

@@ -16,14 +16,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4-mini: fused QKV and gate/up, LongRoPE
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text model (model_type gemma3_text)
+    "MixtralForCausalLM": "mixtral",  # Mistral's layers, a mixture of experts for the MLP
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, many small experts
 }
 MODEL_TYPES = {"gemma3_text": "gemma3"}  # config model_type -> family, where they differ
 # GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
+# A llama file with experts (llama.expert_count) is Mixtral.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3",
+                      "qwen3moe": "qwen3_moe"}
 # Families whose every layer slides when the config gives a window (others need use_sliding_window).
-WINDOWED_FAMILIES = ("mistral", "phi3")
+WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before rope.
-QK_NORM_FAMILIES = ("qwen3", "gemma3")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")
 
 
 def unsupported_architecture(name: object) -> ValueError:
@@ -62,6 +66,15 @@ class ModelArch:
     attention_scale: float | None = None
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None
+    # A mixture of experts in place of the MLP (model/moe.py) where num_experts > 0, but in
+    # dense_layers (Qwen3-MoE's mlp_only_layers), which keep the MLP of intermediate_size. Each
+    # token takes the experts_per_token largest of the router's softmax, renormalised to sum to 1
+    # where norm_topk_prob says so.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -70,6 +83,14 @@ class ModelArch:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.rotary_size % 2 or not 0 < self.rotary_size <= self.head_dim:
             raise ValueError("the rotary part of a head must be even and at most head_dim")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token must be 1 to {self.num_experts}, not {self.experts_per_token}")
+        if self.num_experts and self.expert_intermediate_size <= 0:
+            raise ValueError("a mixture of experts needs the experts' intermediate size")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rotary_size(self) -> int:
@@ -85,11 +106,24 @@ class ModelArch:
 
     @property
     def num_parameters(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        return self._parameters(self.num_experts)
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token reads: of a mixture's experts, only its experts_per_token."""
+        return self._parameters(self.experts_per_token)
+
+    def _parameters(self, experts: int) -> int:
+        h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        layers = self.num_layers * (attn + 2 * h + (2 * d if self.qk_norm else 0))
+        for i in range(self.num_layers):
+            if self.is_moe_layer(i):
+                layers += experts * 3 * h * self.expert_intermediate_size + self.num_experts * h
+            else:
+                layers += 3 * h * self.intermediate_size
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + lm_head
+        return self.vocab_size * h + layers + h + lm_head
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArch":
@@ -129,7 +163,29 @@ class ModelArch:
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_experts(family, cfg),
         )
+
+
+def _experts(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts config's ModelArch fields (none for a dense family). Mixtral always
+    renormalises its top-k; Qwen3-MoE where norm_topk_prob says so, and keeps a dense MLP in
+    mlp_only_layers and in layers off its decoder_sparse_step."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not experts:
+        raise ValueError(f"{family} config names no experts (num_local_experts / num_experts)")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not supported")
+    fields: dict[str, Any] = dict(num_experts=int(experts), experts_per_token=int(cfg["num_experts_per_tok"]))
+    if family == "mixtral":
+        return fields | dict(expert_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    only = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+    return fields | dict(expert_intermediate_size=cfg["moe_intermediate_size"],
+                         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense)
 
 
 # What every Gemma 3 is, whatever its config or file says: ModelArch fields.

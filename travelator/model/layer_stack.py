@@ -21,7 +21,7 @@ from travelator.model.linear_route import LinearRoute
 
 
 # Families whose layers the native stack does not run: Gemma 3's sandwich norms, two ropes and
-# unit-offset norms are the Python layers' (model/gemma3.py).
+# unit-offset norms are the Python layers' (model/gemma3.py); neither do mixtures of experts.
 STACKLESS_FAMILIES = ("gemma3",)
 
 
@@ -50,7 +50,7 @@ class LayerStack:
         ops = model.ops
         if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
             return None
-        if model.arch.family in STACKLESS_FAMILIES:
+        if model.arch.family in STACKLESS_FAMILIES or model.arch.num_experts:
             return None
         norms, head_norms, tensors, ints, windows, kinds = [], [], [], [], [], set()
         for layer in model.layers:

@@ -32,6 +32,7 @@ from travelator.model.blocks import MLP, Attention, param
 from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
+from travelator.model.moe import SparseMoE
 from travelator.model.ops import TorchOps
 from travelator.model.quant import BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod, quantize
 from travelator.model.quant_policy import QuantPolicy
@@ -53,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, dtype, ops, layer, tp)
         self.post_attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype, ops, tp)
+        self.mlp = SparseMoE(arch, dtype, ops, tp) if arch.is_moe_layer(layer) else MLP(arch, dtype, ops, tp)
 
     def forward(self, x, delta, positions, rope: RotaryEmbedding, k_cache, v_cache, meta):
         if delta is None:
@@ -82,7 +83,7 @@ class LlamaModel(nn.Module):
         self.quant_policy = QuantPolicy(quantization, group_size, keep_gguf_quants, lm_head_quantization,
                                         tp.size if tp is not None else 1)
         if tp is not None:
-            check_divisible(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tp.size)
+            check_divisible(arch, tp.size)
         self.arch = arch
         self.dtype = dtype
         self.tp = tp
@@ -126,8 +127,12 @@ class LlamaModel(nn.Module):
         """The weights that go through ``ops.linear`` (the ops may pre-pack them)."""
         mats = [self.lm_head_weight]
         for layer in self.layers:
-            mats += [layer.self_attn.qkv_weight, layer.self_attn.o_weight,
-                     layer.mlp.gate_up_weight, layer.mlp.down_weight]
+            mats += [layer.self_attn.qkv_weight, layer.self_attn.o_weight]
+            if isinstance(layer.mlp, SparseMoE):
+                mats.append(layer.mlp.router_weight)
+                mats += [w for e in layer.mlp.experts for w in (e.gate_up_weight, e.down_weight)]
+            else:
+                mats += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
         return mats
 
     @torch.inference_mode()
@@ -266,6 +271,9 @@ class LlamaModel(nn.Module):
             if rest in _LAYER_TENSORS:
                 field, part = _LAYER_TENSORS[rest]
                 return f"layers.{idx}.{field}", part
+            expert = _expert_target(rest)
+            if expert is not None:
+                return f"layers.{idx}.{expert[0]}", expert[1]
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
 
     def init_dummy_weights(self, seed: int) -> None:
@@ -319,6 +327,29 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "mlp.down_proj.weight": ("mlp.down_weight", None),
 }
 
+# A mixture's tensors (Qwen3-MoE's names under mlp., Mixtral's under block_sparse_moe.): the
+# router, and per expert its gate, up and down projections.
+_MOE_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_EXPERT_TENSORS: dict[str, tuple[str, int | None]] = {
+    "gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gate_up_weight", 1),
+    "down_proj.weight": ("down_weight", None),
+    "w1.weight": ("gate_up_weight", 0), "w3.weight": ("gate_up_weight", 1), "w2.weight": ("down_weight", None),
+}
+
+
+def _expert_target(rest: str) -> tuple[str, int | None] | None:
+    """(parameter within the layer, fused part) of a mixture's tensor name, or None."""
+    if rest in _MOE_ROUTERS:
+        return "mlp.router_weight", None
+    prefix, _, tail = rest.partition(".experts.")
+    if prefix not in ("mlp", "block_sparse_moe") or not tail:
+        return None
+    expert, _, tensor = tail.partition(".")
+    if not expert.isdigit() or tensor not in _EXPERT_TENSORS:
+        return None
+    field, part = _EXPERT_TENSORS[tensor]
+    return f"mlp.experts.{int(expert)}.{field}", part
+
 
 def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
     """Every parameter's full (one-rank) shape and how it is split over ranks."""
@@ -357,4 +388,19 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             p + "mlp.gate_up_weight": (2 * inter, h),
             p + "mlp.down_weight": (h, inter),
         }
+        if arch.is_moe_layer(i):
+            _moe_layout(arch, p, shards, shapes)
     return shards, shapes
+
+
+def _moe_layout(arch: ModelArch, p: str, shards: dict[str, Shard], shapes: dict[str, tuple[int, ...]]) -> None:
+    """A mixture layer's parameters: the router replicated, each expert split as the MLP is."""
+    h, inter = arch.hidden_size, arch.expert_intermediate_size
+    shards[p + "mlp.router_weight"] = Shard()
+    shapes[p + "mlp.router_weight"] = (arch.num_experts, h)
+    for e in range(arch.num_experts):
+        q = f"{p}mlp.experts.{e}."
+        shards[q + "gate_up_weight"] = Shard(0, (inter, inter))
+        shards[q + "down_weight"] = Shard(1, (inter,))
+        shapes[q + "gate_up_weight"] = (2 * inter, h)
+        shapes[q + "down_weight"] = (h, inter)

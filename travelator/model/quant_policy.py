@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 # The linear layers ``quantization`` applies to: an untied LM head too (a tied one is also the
 # embedding, whose rows are read as they are).
-QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight", "lm_head")
+# A mixture's experts (``mlp.experts.3.gate_up_weight``) are quantized like the MLP; its router is not.
+QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "gate_up_weight", "down_weight", "lm_head")
 
 
 @dataclass(frozen=True, slots=True)

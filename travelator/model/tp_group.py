@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from travelator.model.arch import ModelArch
+
 # How long a rank waits on a peer inside one collective of a step (env override, seconds).
 DATA_TIMEOUT_S = float(os.environ.get("TRAVELATOR_TP_TIMEOUT", "600"))
 _CTRL_TIMEOUT = datetime.timedelta(days=3650)
@@ -125,12 +127,16 @@ class TPGroup:
                 pass
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+def check_divisible(arch: ModelArch, size: int) -> None:
+    """Each rank holds an equal share of the heads and of every MLP's (and expert's) width."""
     if size < 1:
         raise ValueError("tensor_parallel_size must be positive")
-    bad = [f"{what} ({n})" for what, n in (("attention heads", num_heads),
-                                          ("KV heads", num_kv_heads),
-                                          ("MLP intermediate size", intermediate_size)) if n % size]
+    widths = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads)]
+    if arch.num_layers > len(arch.dense_layers) and arch.num_experts:
+        widths.append(("experts' intermediate size", arch.expert_intermediate_size))
+    if arch.num_experts == 0 or arch.dense_layers:
+        widths.append(("MLP intermediate size", arch.intermediate_size))
+    bad = [f"{what} ({n})" for what, n in widths if n % size]
     if bad:
         raise ValueError(f"tensor_parallel_size {size} must divide the model's "
                          f"{', '.join(bad)}; each rank holds an equal share of the heads")
