@@ -96,7 +96,14 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------
-_GGUF_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_GGUF_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# A mixture's experts, stacked in one tensor per projection [experts, out, in]: HF's name of
+# each expert's piece ({e}: the expert), and the router.
+_GGUF_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+_GGUF_ROUTER = "ffn_gate_inp"
+_GGUF_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid
 # llama.cpp's names of a layer's tensors -> HF's (without "model.layers.N."), in every family
 # but where _GGUF_FAMILY_NAMES says otherwise.
 _GGUF_NAMES = {
@@ -107,6 +114,7 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    _GGUF_ROUTER: "mlp.gate",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
@@ -180,11 +188,35 @@ def _gguf_arch(family: str, arch_field, tensors: dict, tokenizer: Tokenizer) -> 
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
     )
+    if arch_field("expert_count"):
+        fields |= _gguf_experts(family, arch_field, tensors, fields["num_layers"])
     if family == "phi3":
         fields |= _gguf_phi3(arch_field, tensors)
     elif family == "gemma3":
         fields |= _gguf_gemma3(arch_field, fields)
     return ModelArch(**fields)
+
+
+def _gguf_experts(family: str, arch_field, tensors: dict, layers: int) -> dict:
+    """A mixture of experts as llama.cpp reads it: a llama file with experts is Mixtral; the
+    experts' width is expert_feed_forward_length (Mixtral's: feed_forward_length); the top-k is
+    renormalised unless expert_weights_norm says otherwise (llama.cpp renormalises both
+    families'); a layer without a router keeps a dense MLP."""
+    if family not in ("llama", "qwen3_moe"):
+        raise ValueError(f"{family} GGUF files with experts are not supported")
+    if int(arch_field("expert_shared_count", 0)):
+        raise ValueError("shared experts are not supported")
+    if int(arch_field("expert_gating_func", _GGUF_SOFTMAX_GATING)) != _GGUF_SOFTMAX_GATING:
+        raise ValueError("only softmax expert gating is supported")
+    width = arch_field("expert_feed_forward_length") or arch_field("feed_forward_length")
+    return dict(
+        family="mixtral" if family == "llama" else family,
+        num_experts=int(arch_field("expert_count")),
+        experts_per_token=int(arch_field("expert_used_count")),
+        expert_intermediate_size=int(width),
+        norm_topk_prob=bool(arch_field("expert_weights_norm", True)),
+        dense_layers=tuple(i for i in range(layers) if f"blk.{i}.{_GGUF_ROUTER}.weight" not in tensors),
+    )
 
 
 def _gguf_phi3(arch_field, tensors) -> dict:
@@ -280,7 +312,7 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
     dequantized here."""
     import gguf
 
-    permuted = arch.family == "llama"  # see _unpermute_rope
+    permuted = arch.family in ("llama", "mixtral")  # see _unpermute_rope
     names = _GGUF_NAMES | _GGUF_FAMILY_NAMES.get(arch.family, {})
     # llama.cpp's converter writes Gemma's norm weights w as 1 + w (llama.cpp scales by the weight
     # as it is); travelator's Gemma norms scale by 1 + w, as the HF checkpoint's: take the 1 back.
@@ -295,6 +327,9 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne order is reversed
         parts = t.name.split(".")
         linear = parts[0] == "blk" and len(parts) > 3 and parts[2] in _GGUF_LINEAR and parts[3] == "weight"
+        if linear and parts[2] in _GGUF_EXPERTS:
+            yield from _gguf_experts_of(t, shape, int(parts[1]), _GGUF_EXPERTS[parts[2]], kept, warned)
+            continue
         if linear and t.tensor_type in kept:
             blocks = parse_gguf_blocks(t.data, kept[t.tensor_type], *shape)
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.weight"
@@ -318,3 +353,28 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
         if norm_offset and t.name.endswith("norm.weight"):
             arr = arr - norm_offset
         yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # copy out of the mmap
+
+
+def _gguf_experts_of(t, shape: tuple[int, ...], layer: int, name: str, kept: dict,
+                     warned: set[str]) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
+    """A stacked expert tensor [experts, out, in], expert by expert under HF's names: a kept
+    quantized type as its blocks, anything else as float32."""
+    import gguf
+
+    experts, rows, cols = shape
+    if t.tensor_type in kept:
+        blocks = parse_gguf_blocks(np.asarray(t.data).reshape(experts * rows, -1), kept[t.tensor_type],
+                                   experts * rows, cols)
+        for e in range(experts):
+            yield f"model.layers.{layer}.{name.format(e=e)}.weight", blocks.rows(slice(e * rows, (e + 1) * rows))
+        return
+    data = t.data
+    if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        if t.tensor_type.name not in warned:
+            warned.add(t.tensor_type.name)
+            logger.warning("GGUF %s tensors (like %s) are dequantized at load: only Q8_0, Q6_K, Q4_0, "
+                           "Q4_1 and Q4_K stay quantized", t.tensor_type.name, t.name)
+        data = gguf.quants.dequantize(data, t.tensor_type)
+    arr = np.asarray(data, dtype=np.float32).reshape(shape)
+    for e in range(experts):
+        yield f"model.layers.{layer}.{name.format(e=e)}.weight", torch.from_numpy(np.array(arr[e]))

@@ -296,8 +296,8 @@ class BlockQuantized:
         """Inputs per scale."""
         return 16 if self.kind == "q6_k" else GGUF_BLOCK
 
-    def rows(self, order: torch.Tensor) -> "BlockQuantized":
-        """The same rows in another order (GGUF's rope layout of Q and K)."""
+    def rows(self, order: torch.Tensor | slice) -> "BlockQuantized":
+        """These rows (another order: GGUF's rope layout of Q and K; a slice: one expert's)."""
         return BlockQuantized(self.kind, self.codes[order], self.scale[order],
                               None if self.zero is None else self.zero[order])
 

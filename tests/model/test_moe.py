@@ -1,0 +1,116 @@
+"""The mixture-of-experts layer (model/moe.py) against a per-token loop written here from the
+definition (softmax over all experts, the k largest, renormalised or not, the weighted sum of
+those experts' SwiGLU MLPs), on both kernel sets and on quantized experts; that unused experts
+are never read; and the parameter counts against transformers'."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_models import build_checkpoint, load_reference, mixtral_overrides, qwen3_moe_overrides
+from travelator import LLM, kernels
+from travelator.model.arch import ModelArch
+from travelator.model.moe import SparseMoE
+from travelator.model.ops import NativeOps, TorchOps
+
+ARCH = ModelArch("qwen3_moe", 256, 64, 128, 1, 4, 2, 16, num_experts=8, experts_per_token=3,
+                 expert_intermediate_size=32, norm_topk_prob=True)
+OPS = [TorchOps] + ([NativeOps] if kernels.available() else [])
+
+
+def layer(arch: ModelArch, ops=TorchOps, seed: int = 0) -> SparseMoE:
+    moe = SparseMoE(arch, torch.float32, ops())
+    g = torch.Generator().manual_seed(seed)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ops_ = moe.ops
+    ops_.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)])
+    return moe
+
+
+def per_token(moe: SparseMoE, x: torch.Tensor, k: int, renormalize: bool) -> torch.Tensor:
+    """The definition, one token at a time."""
+    out = torch.zeros_like(x, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t].double() @ moe.router_weight.double().T, dim=-1)
+        top = probs.topk(k)
+        weights = top.values / top.values.sum() if renormalize else top.values
+        for w, e in zip(weights, top.indices.tolist()):
+            expert = moe.experts[e]
+            gate, up = (x[t].double() @ expert.gate_up_weight.double().T).chunk(2)
+            out[t] += w * ((F.silu(gate) * up) @ expert.down_weight.double().T)
+    return out
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_layer_matches_the_definition(ops, renormalize):
+    arch = replace(ARCH, norm_topk_prob=renormalize)
+    moe = layer(arch, ops)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moe(x).double(), per_token(moe, x, 3, renormalize), atol=1e-4, rtol=1e-4)
+
+
+def test_the_definition_tells_top_k_and_renormalisation_apart():
+    """The reference is sharp enough to catch the mutants the layer must not be."""
+    moe = layer(ARCH)
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
+    want = per_token(moe, x, 3, True)
+    for k, renormalize in ((2, True), (4, True), (3, False)):
+        assert (per_token(moe, x, k, renormalize) - want).abs().max() > 1e-2
+
+
+def test_an_expert_no_token_chose_is_never_read():
+    moe = layer(ARCH)
+    x = torch.rand(20, 64) + 0.1  # every input positive
+    moe.router_weight.data[5] = -10.0  # expert 5 scores far below every other
+    moe.experts[5].gate_up_weight.data.fill_(float("nan"))
+    moe.experts[5].down_weight.data.fill_(float("nan"))
+    out = moe(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), per_token(moe, x, 3, True), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method,kernel_set", [("int8", "torch"), ("int4", "torch"), ("int4", "native")])
+def test_quantized_experts(method, kernel_set, tmp_path):
+    """quantization= applies to every expert (not the router), and the layer is the model its
+    dequantized experts make. (Not int8 on the native kernels where the CPU lacks a bf16 GEMM:
+    from 4 rows they round the activations to 8 bits too, W8A8, which tests/model/test_w8a8.py
+    measures.)"""
+    if kernel_set == "native" and not kernels.available():
+        pytest.skip("needs the native kernels")
+    from travelator.model.quant import quantized_linear
+
+    path = build_checkpoint(tmp_path, "qwen3_moe", **dict(qwen3_moe_overrides(), moe_intermediate_size=64))
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, quantization=method,
+              quantization_group_size=32, kernels=kernel_set)
+    moe = llm.engine.runner.model.layers[0].mlp
+    assert isinstance(moe.router_weight, torch.Tensor)
+    dequantized = layer(llm.engine.arch)
+    dequantized.router_weight = moe.router_weight
+    for mine, theirs in zip(dequantized.experts, moe.experts):
+        for name in ("gate_up_weight", "down_weight"):
+            weight = getattr(theirs, name)
+            assert not isinstance(weight, torch.Tensor)
+            rows = torch.eye(weight.shape[1])
+            setattr(mine, name, torch.nn.Parameter(quantized_linear(rows, weight, None).T.contiguous()))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
+    want = per_token(dequantized, x, moe.top_k, True)
+    torch.testing.assert_close(moe(x).double(), want, atol=1e-3 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_parameter_counts_match_transformers(family, tmp_path):
+    overrides = mixtral_overrides() if family == "mixtral" else qwen3_moe_overrides()
+    path = build_checkpoint(tmp_path, family, **overrides)
+    arch = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=8).engine.arch
+    ref = load_reference(path)
+    assert arch.num_parameters == sum(p.numel() for p in ref.parameters())
+    experts = [m for m in ref.modules() if type(m).__name__.endswith("Experts")]
+    per_expert = sum(p.numel() for p in experts[0].parameters()) // arch.num_experts
+    unused = len(experts) * (arch.num_experts - arch.experts_per_token) * per_expert
+    assert arch.active_parameters == arch.num_parameters - unused
