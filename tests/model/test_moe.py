@@ -114,3 +114,26 @@ def test_parameter_counts_match_transformers(family, tmp_path):
     per_expert = sum(p.numel() for p in experts[0].parameters()) // arch.num_experts
     unused = len(experts) * (arch.num_experts - arch.experts_per_token) * per_expert
     assert arch.active_parameters == arch.num_parameters - unused
+
+
+@pytest.mark.skipif(not kernels.available() or not hasattr(torch.ops.travelator, "moe_experts"),
+                    reason="needs the native experts kernel (AVX2 or AVX512-BF16)")
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+def test_native_experts_call_is_the_python_path_bit_for_bit(tokens):
+    """A step of a few tokens with bf16 experts takes one native call (ops.moe_experts): the
+    same bits as the expert-by-expert path, an unused expert untouched."""
+    arch = replace(ARCH, hidden_size=96, expert_intermediate_size=80)  # chunks of 64 rows and a remainder
+    moe = layer(arch, NativeOps)
+    for p in moe.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    moe._plain_weights = None
+    rows = min(tokens, moe.ops.streaming_rows(False))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    experts, _ = moe.route(x)
+    native = moe.ops.moe_experts(x, experts, *moe.plain_weights())
+    assert native is not None
+    assert torch.equal(native, moe._grouped(x, experts))
+    assert torch.equal(moe(x), moe(x.clone()))
+    unused = sorted(set(range(arch.num_experts)) - set(experts.flatten().tolist()))[0]
+    moe.experts[unused].gate_up_weight.data.fill_(float("nan"))
+    assert torch.equal(moe.ops.moe_experts(x, experts, *moe.plain_weights()), native)

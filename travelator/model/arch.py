@@ -268,6 +268,16 @@ PRESETS: dict[str, ModelArch] = {
     # Qwen3 of the tiny and 50M shapes: the same layers with per-head q/k norms.
     "qwen3-tiny": ModelArch("qwen3", 1024, 128, 352, 2, 4, 2, 32, max_position_embeddings=4096, qk_norm=True),
     "qwen3-50m": ModelArch("qwen3", 32000, 512, 1408, 8, 8, 4, 64, max_position_embeddings=4096, qk_norm=True),
+    # Mixtures of experts in Qwen3-MoE's proportions (top-8 of many small experts): a tiny one for
+    # tests, and ~0.9B total / ~0.2B active beside qwen3-0.2b, the dense model of the same
+    # attention whose MLP is as wide as a token's eight experts.
+    "qwen3-moe-tiny": ModelArch("qwen3_moe", 1024, 128, 352, 2, 4, 2, 32, max_position_embeddings=4096,
+                                qk_norm=True, num_experts=16, experts_per_token=4, expert_intermediate_size=64,
+                                norm_topk_prob=True),
+    "qwen3-moe-1b": ModelArch("qwen3_moe", 32000, 1024, 2048, 16, 16, 4, 64, max_position_embeddings=4096,
+                              qk_norm=True, num_experts=64, experts_per_token=8, expert_intermediate_size=256,
+                              norm_topk_prob=True),
+    "qwen3-0.2b": ModelArch("qwen3", 32000, 1024, 2048, 16, 16, 4, 64, max_position_embeddings=4096, qk_norm=True),
     # The shape of Llama 3.2 1B (tied embeddings, llama3 rope scaling).
     "llama-1b": ModelArch(
         "llama", 128256, 2048, 8192, 16, 32, 8, 64,

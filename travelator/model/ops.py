@@ -58,6 +58,12 @@ class TorchOps:
         ``streaming_linear`` names (0: none); int8: for an int8 weight."""
         return 0
 
+    def moe_experts(self, x: torch.Tensor, experts: torch.Tensor, gate_up: list[torch.Tensor],
+                    down: list[torch.Tensor]) -> torch.Tensor | None:
+        """A mixture's experts in one call (model/moe.py), or None where the ops have no such
+        kernel for these rows: every (token, expert) pair's MLP output, [T * k, hidden]."""
+        return None
+
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x)
 
@@ -154,6 +160,12 @@ class NativeOps(TorchOps):
 
     def streaming_rows(self, quantized, int8=False):
         return self._linear.streaming_rows(quantized, int8)
+
+    def moe_experts(self, x, experts, gate_up, down):
+        # The kernel runs small_m_linear's tiles: where that kernel takes this many rows.
+        if x.dtype != torch.bfloat16 or x.shape[0] > self.streaming_rows(False) or not hasattr(self._ops, "moe_experts"):
+            return None
+        return self._ops.moe_experts(x.contiguous(), experts, gate_up, down)
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stack) -> torch.Tensor:
