@@ -19,6 +19,13 @@ small model's weights may stay in cache between its steps.
 With ``--llama-server BIN`` llama.cpp's server decodes one request on a model of the same shape
 (../shared/peers/make_random_llama.py, bf16 GGUF; Q8_0 / Q4_0 copies for int8 / int4), and
 its own per-token time (``timings.predicted_per_token_ms``) is printed beside travelator's.
+
+With ``--compare-model`` a second model decodes at the same settings, the two taking turns, and
+the last line gives the first's step against the second's: a mixture of experts against the
+dense model of its active size (a mixture's step reads only the experts it uses, and so does
+its streaming time here):
+
+    python benchmarks/batch1_decode.py --model dummy:qwen3-moe-1b --compare-model dummy:qwen3-0.2b
 """
 
 from __future__ import annotations
@@ -48,12 +55,21 @@ GGUF_KIND = {"none": None, "int8": "Q8_0", "int4": "Q4_0"}
 def weight_bytes_per_decode(model) -> int:
     """Bytes of every weight a one-token step reads (quantized ones as stored): all of them,
     the embedding only once (as the LM head when tied, else not at all: one row of it is
-    negligible)."""
+    negligible), of a mixture's experts only the token's (experts_per_token of each layer's)."""
     embed = model.embed
     total = model.weight_bytes()
     if model.lm_head_weight is not embed:
         total -= embed.numel() * embed.element_size()
+    for layer in model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            one = sum(_nbytes(w) for w in (experts[0].gate_up_weight, experts[0].down_weight))
+            total -= (len(experts) - layer.mlp.top_k) * one
     return total
+
+
+def _nbytes(weight) -> int:
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.nbytes
 
 
 def stream_seconds(nbytes: int, repeats: int) -> float:
@@ -65,6 +81,7 @@ def stream_seconds(nbytes: int, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="dummy:llama-250m")
+    ap.add_argument("--compare-model", help="a second model, its steps taking turns with --model's (see above)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--kernels", default="auto", choices=["auto", "native", "torch"])
@@ -77,6 +94,9 @@ def main() -> None:
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="LLAMA_ARG_REPACK=0 (its Q8_0/Q4_0 repacking segfaulted on the AMX VM)")
     args = ap.parse_args()
+    if args.compare_model:
+        compare_models(args)
+        return
     groups = [args.quantization] if args.interleave else [[q] for q in args.quantization]
     steps = {q: step for group in groups for q, step in measure(args, group).items()}
     base = args.quantization[0]
@@ -146,9 +166,20 @@ def llama_one_request(args, gguf: str, port: int = 18437) -> float:
             srv.kill()
 
 
-def start_decoding(args, quantization: str):
+def compare_models(args) -> None:
+    """--model against --compare-model at each quantization, their steps taking turns."""
+    for q in args.quantization:
+        engines = [start_decoding(args, q, model) for model in (args.model, args.compare_model)]
+        steps = decode_steps(args, engines)
+        for model, step, engine in zip((args.model, args.compare_model), steps, engines):
+            report(args, q, step, engine, model)
+        print(f"quantization={q}: {args.model} step / {args.compare_model} step: {steps[0] / steps[1]:.2f}",
+              flush=True)
+
+
+def start_decoding(args, quantization: str, model: str | None = None):
     """An engine with one request, its prompt prefilled: each later step decodes one token."""
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, kernels=args.kernels,
+    llm = LLM(model or args.model, dtype=args.dtype, max_num_seqs=1, kernels=args.kernels,
               enable_prefix_caching=False, quantization=quantization,
               lm_head_quantization="auto" if quantization == "none" else args.lm_head_quantization)
     engine = llm.engine
@@ -176,12 +207,12 @@ def measure(args, quantizations: list[str]) -> dict[str, float]:
             for q, step, engine in zip(quantizations, decode_steps(args, engines), engines)}
 
 
-def report(args, quantization: str, step: float, engine) -> float:
+def report(args, quantization: str, step: float, engine, model: str | None = None) -> float:
     """Prints the step against the time to read the weights it streams; returns the step."""
     nbytes = weight_bytes_per_decode(engine.runner.model)
     stream = stream_seconds(nbytes, repeats=15)
     head = f" lm_head={args.lm_head_quantization}" if quantization != "none" else ""
-    print(f"{args.model} {args.dtype} quantization={quantization}{head} kernels={args.kernels}, "
+    print(f"{model or args.model} {args.dtype} quantization={quantization}{head} kernels={args.kernels}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}: batch-1 decode step "
           f"{step * 1e3:.1f} ms; reading the {nbytes / 1e6:.0f} MB of weights {stream * 1e3:.1f} ms "
           f"({nbytes / stream / 1e9:.1f} GB/s); ratio {step / stream:.2f} (target <= 1.3)", flush=True)
