@@ -15,9 +15,11 @@ def make_cache(num_blocks, block_size, kvh, d, dtype, seed):
     return (torch.randn(shape, generator=g).to(dtype).transpose(1, 2).contiguous() for _ in range(2))
 
 
-def reference(q, k_cache, v_cache, requests, scale, window=None):
+def reference(q, k_cache, v_cache, requests, scale, window=None, sinks=None):
     """Dense float64 attention per request: query at position p sees keys 0..p, or with a
-    sliding window only the keys k with p - window < k <= p (transformers' convention)."""
+    sliding window only the keys k with p - window < k <= p (transformers' convention); with
+    sinks ([H], gpt-oss), each head's row softmax has one more logit, the sink, whose weight is
+    dropped (as transformers' eager gpt-oss attention computes it)."""
     kvh, bs = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kvh
     out, row = [], 0
@@ -35,7 +37,12 @@ def reference(q, k_cache, v_cache, requests, scale, window=None):
         if window is not None:
             hidden |= keys_pos <= pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out.append(torch.einsum("hnk,khd->nhd", scores.softmax(-1), vals))
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out.append(torch.einsum("hnk,khd->nhd", probs, vals))
         row += n
     return torch.cat(out)
 
@@ -60,10 +67,10 @@ def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):
     return reqs
 
 
-def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False, window=None):
+def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False, window=None, sinks=None):
     attn = PagedAttention(heads, kvh, d, window=window)
     meta = metadata(reqs, backend, k_cache.shape[2])
     meta.tiled_prefill = tiled
     # The cache already holds every key: only read it (an empty write).
     k_new = torch.empty(0, kvh, d, dtype=q.dtype)
-    return attn(q, k_new, k_new, k_cache, v_cache, meta)
+    return attn(q, k_new, k_new, k_cache, v_cache, meta, sinks)

@@ -74,6 +74,15 @@ def qwen3_moe_overrides(norm_topk_prob: bool = True) -> dict:
                 head_dim=32)
 
 
+def gpt_oss_overrides(window: int = 5) -> dict:
+    """gpt-oss in small: 8 experts of width 32, top-2 (softmax over the top-k logits), sliding
+    layers of ``window`` keys alternating with full ones, sinks, YaRN rope (the config's default:
+    factor 32 over 4096 positions), biases everywhere (randomize them: transformers starts the
+    experts' at zero)."""
+    return dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                num_hidden_layers=3, sliding_window=window, swiglu_limit=7.0, pad_token_id=0)
+
+
 def randomize(path: Path, suffixes: tuple[str, ...], scale: float, offset: float = 0.0, seed: int = 1) -> None:
     """Redraw the checkpoint's tensors whose names end with ``suffixes`` as offset + scale * U(-1, 1)
     (transformers initialises norms and biases to constants, which hide mistakes in them)."""
@@ -89,7 +98,8 @@ def randomize(path: Path, suffixes: tuple[str, ...], scale: float, offset: float
 
 def build_checkpoint(path: Path, family: str, **overrides) -> Path:
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Gemma3ForCausalLM, Gemma3TextConfig, MixtralConfig, MixtralForCausalLM,
+                              Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM,
+                              MixtralConfig, MixtralForCausalLM,
                               Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -108,6 +118,7 @@ def build_checkpoint(path: Path, family: str, **overrides) -> Path:
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "mixtral": (MixtralConfig, MixtralForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     }[family]
     torch.manual_seed(0)
     model = cls[1](cls[0](**common)).eval()

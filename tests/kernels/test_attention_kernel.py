@@ -250,6 +250,27 @@ def test_sliding_window_matches_reference_and_torch(dtype, kv_dtype, tol, tiled,
             assert torch.equal(native, full)
 
 
+@pytest.mark.parametrize("dtype,tol,tiled", [(torch.float32, 1e-5, False), (torch.bfloat16, 2e-2, False),
+                                             (torch.bfloat16, 2e-2, True)])
+@pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (6, 2, 32), (4, 4, 20), (4, 1, 128)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_sinks_match_the_reference_on_every_path(dtype, tol, tiled, heads, kvh, d, window):
+    """gpt-oss's sinks (a logit per head with no value) on the portable, AVX2/AVX-512 and tiled
+    kernels and on the torch fallback, over decodes, prefill chunks and a context past the key
+    chunk; sinks both below and well above the scores (where they take most of the softmax)."""
+    rng = random.Random(d * 3 + (window or 0))
+    k_cache, v_cache = make_cache(200, 16, kvh, d, dtype, seed=d)
+    reqs = random_requests(rng, 120, 16, n_decodes=4, n_prefills=3) + [(300, 5, list(range(120, 140)))]
+    q = torch.randn(sum(n for _, n, _ in reqs), heads, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    sinks = torch.linspace(-4.0, 6.0, heads).to(dtype)
+    ref = reference(q, k_cache, v_cache, reqs, d**-0.5, window, sinks)
+    assert not torch.allclose(ref, reference(q, k_cache, v_cache, reqs, d**-0.5, window), atol=0.05)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, window, sinks)
+    fallback = attend("torch", q, k_cache, v_cache, reqs, heads, kvh, d, window=window, sinks=sinks)
+    torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)
+
+
 def test_a_window_changes_the_result():
     """The reference's window is not a no-op (keys outside it do count without it)."""
     k_cache, v_cache = make_cache(20, 16, 2, 20, torch.float32, seed=0)

@@ -16,7 +16,7 @@ from travelator.model.attention import build_metadata
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run(q, k_cache, v_cache, reqs, scale, window=None):
+def run(q, k_cache, v_cache, reqs, scale, window=None, sinks=None):
     """The kernel over ``reqs`` ((context, query_len, block table) in batch order), with the
     metadata the engine builds for it."""
     meta = build_metadata("triton", torch.empty(0, dtype=torch.long), [n for _, n, _ in reqs],
@@ -24,7 +24,8 @@ def run(q, k_cache, v_cache, reqs, scale, window=None):
                           torch.device(DEVICE))
     out = triton_attention.paged_attention(
         q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta.query_start, meta.seq_lens,
-        meta.block_tables, scale, window or 0, meta.max_query_len, meta.max_seq_len)
+        meta.block_tables, scale, window or 0, meta.max_query_len, meta.max_seq_len,
+        None if sinks is None else sinks.to(DEVICE))
     return out.cpu()
 
 
@@ -63,6 +64,23 @@ def test_long_decodes_split_over_keys_match_the_reference(window):
     got = run(q, k_cache, v_cache, reqs, d**-0.5, window)
     torch.testing.assert_close(got.double(), reference(q, k_cache, v_cache, reqs, d**-0.5, window),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_sinks_match_the_reference(split):
+    """gpt-oss's sinks in the one-pass kernel (mixed batches) and in the split kernel's merge
+    (long decodes)."""
+    block_size, kvh, heads, d = 16, 2, 4, 32
+    k_cache, v_cache = make_cache(200, block_size, kvh, d, torch.float32, seed=4)
+    if split:
+        reqs = [(1300, 1, list(range(0, 82))), (700, 1, list(range(82, 126)))]
+    else:
+        reqs = random_requests(random.Random(9), 200, block_size, n_decodes=3, n_prefills=3)
+    q = torch.randn(sum(n for _, n, _ in reqs), heads, d)
+    sinks = torch.tensor([-3.0, 0.0, 2.5, 8.0])
+    got = run(q, k_cache, v_cache, reqs, d**-0.5, 300 if split else 5, sinks)
+    want = reference(q, k_cache, v_cache, reqs, d**-0.5, 300 if split else 5, sinks)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("max_seq_len", [300, 4 * triton_attention.KEYS_PER_SPLIT])

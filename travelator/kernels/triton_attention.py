@@ -58,13 +58,13 @@ def _request_of_tile(query_start_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
     scale, num_seqs, window, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt,
     tiles_per_split,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +120,8 @@ def _paged_attention_kernel(
 
         keep = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
+            if HAS_SINKS:
+                row_sum = _with_sinks(row_sum, row_max, sinks_ptr, head, row_ok)
             out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
             tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=keep)
@@ -131,9 +133,17 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _with_sinks(row_sum, row_max, sinks_ptr, head, ok):
+    """A softmax denominator (row_sum, relative to row_max) with each head's sink logit added
+    (gpt-oss: a share of the softmax with no value); a row with no key keeps 0."""
+    sink = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(row_max == float("-inf"), row_sum, row_sum + tl.exp(sink - row_max))
+
+
+@triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One (row, head): the splits' partial softmax sums merged, in split order."""
     row = tl.program_id(0)
@@ -145,6 +155,8 @@ def _merge_splits_kernel(
     weight = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - top))
     total = tl.sum(tl.load(part_sum_ptr + part) * weight, 0)
     acc = tl.sum(tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :]) * weight[:, None], 0)
+    if HAS_SINKS:
+        total = _with_sinks(total, top, sinks_ptr, head, True)
     # A row with no key (a padding row of a recorded decode step, sequence length 0) gets zeros.
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
@@ -153,8 +165,10 @@ def _merge_splits_kernel(
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, window: int, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+                    scale: float, window: int, max_query_len: int, max_seq_len: int,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` [T, H, D] over the paged cache; returns [T, H, D] in q's dtype.
+    ``sinks`` [H] (gpt-oss): per head a logit in every row's softmax with no value.
     ``max_query_len`` and ``max_seq_len`` are the batch's, known on the host (they size the
     grid without reading the device); bounds above the batch's give the same result (a
     recorded CUDA graph passes fixed ones). A row of sequence length 0 reads no key and gets
@@ -185,19 +199,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dot = tl.float32 if q.dtype == torch.float32 or _interpreting() else _TL_DTYPES[q.dtype]
     _paged_attention_kernel[(tiles, num_kv_heads, num_splits)](
         out, q, k_cache, v_cache, query_start, seq_lens, block_tables,
-        part_acc, part_max, part_sum,
+        part_acc, part_max, part_sum, out if sinks is None else sinks,
         scale, num_seqs, window, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         KEYS_PER_SPLIT // BLOCK_N if splits > 1 else triton.cdiv(max_seq_len, BLOCK_N),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
+        DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32", HAS_SINKS=sinks is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
-            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            out, part_acc, part_max, part_sum, out if sinks is None else sinks, num_heads,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            HAS_SINKS=sinks is not None,
         )
     return out
 

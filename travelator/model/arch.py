@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text model (model_type gemma3_text)
     "MixtralForCausalLM": "mixtral",  # Mistral's layers, a mixture of experts for the MLP
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, many small experts
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, windows on every other layer, biased experts
 }
 MODEL_TYPES = {"gemma3_text": "gemma3"}  # config model_type -> family, where they differ
 # GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
@@ -75,6 +76,13 @@ class ModelArch:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: biases on the router and the experts, the experts' clamped SwiGLU (limit: None for
+    # SiLU * up), a bias on the attention output, and a learned sink logit per attention head.
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    output_bias: bool = False
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -135,6 +143,8 @@ class ModelArch:
                 raise unsupported_architecture(archs or family)
         if family == "gemma3":
             return _gemma3(cls, cfg)
+        if family == "gpt_oss":
+            return replace(cls.from_hf_config(dict(cfg, architectures=["MistralForCausalLM"])), **_gpt_oss(cfg))
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -165,6 +175,24 @@ class ModelArch:
             eos_token_ids=eos_ids,
             **_experts(family, cfg),
         )
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields beside the Llama-shaped ones: sliding and full layers alternating (each
+    sliding one sees `sliding_window` keys), biases on q, k, v and o, a sink per head, every layer a
+    mixture (softmax over its top-k logits: the renormalised top-k of the softmax) of biased
+    experts with the clamped SwiGLU, YaRN rope."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    bias = cfg.get("attention_bias", True)
+    return dict(
+        family="gpt_oss", sliding_window=cfg.get("sliding_window", 128), layer_types=tuple(types),
+        attention_bias=bias, output_bias=bias, attention_sinks=True,
+        num_experts=int(cfg.get("num_local_experts") or cfg["num_experts"]),
+        experts_per_token=int(cfg["num_experts_per_tok"]), expert_intermediate_size=cfg["intermediate_size"],
+        norm_topk_prob=True, expert_bias=True, swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), rope_scaling=_rope_scaling(cfg),
+    )
 
 
 def _experts(family: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -137,11 +137,12 @@ class PagedAttention:
         k_cache: torch.Tensor,  # [num_blocks, KVH, block_size, row]: row D, or D + 4 (int8, model/kv_layout.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [H] (gpt-oss): a logit per head with no value
     ) -> torch.Tensor:
         # Write before reading (docs/design.md invariant 4): a chunk's own keys come from the
         # cache too.
         if meta.backend == "triton":
-            return self._triton_attention(q, k, v, k_cache, v_cache, meta)
+            return self._triton_attention(q, k, v, k_cache, v_cache, meta, sinks)
         if meta.backend == "native" and k_cache.dtype in (k.dtype, torch.int8):
             torch.ops.travelator.write_kv_(k_cache, v_cache, meta.slot_mapping, k, v)
         else:
@@ -150,20 +151,45 @@ class PagedAttention:
         if meta.backend == "native":
             return torch.ops.travelator.paged_attention(
                 q, k_cache, v_cache, meta.query_start, meta.seq_lens,
-                meta.block_tables, self.scale, meta.tiled_prefill, self.window or 0,
+                meta.block_tables, self.scale, meta.tiled_prefill, self.window or 0, sinks,
             )
-        return self._torch_attention(q, k, v, k_cache, v_cache, meta)
+        return _TorchAttention(self, sinks)(q, k, v, k_cache, v_cache, meta)
 
-    def _triton_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _triton_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sinks) -> torch.Tensor:
         from travelator.kernels import triton_attention  # imports triton: only on this path
 
         triton_attention.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         return triton_attention.paged_attention(
             q, k_cache, v_cache, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
-            self.window or 0, meta.max_query_len, meta.max_seq_len)
+            self.window or 0, meta.max_query_len, meta.max_seq_len, sinks)
 
-    # ---- the pure-torch fallback ------------------------------------------------------
-    def _torch_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+
+class _TorchAttention:
+    """The pure-torch fallback: one layer's attention of one step, on SDPA. Sinks join each
+    row's softmax as one more key whose score is the sink and whose value is zero (an additive
+    mask column over a zero key)."""
+
+    def __init__(self, layer: PagedAttention, sinks: torch.Tensor | None) -> None:
+        self.window, self.scale, self.sinks = layer.window, layer.scale, sinks
+
+    def _sdpa(self, q, keys, values, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [..., H, n, D] against keys and values [..., KVH, L, D]; mask: which keys each query
+        sees (broadcast to [..., H, n, L]; None: causal, the last query seeing every key)."""
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=True)
+        n, length = q.shape[-2], keys.shape[-2]
+        if mask is None:
+            mask = _mask(torch.arange(length - n, length, device=q.device), torch.arange(length, device=q.device), None)
+        shape = q.shape[:-1] + (length,)
+        bias = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill(~mask.expand(shape), float("-inf"))
+        sink = self.sinks.to(q.dtype).view(-1, 1, 1).expand(q.shape[:-1] + (1,))
+        zero = keys.new_zeros(keys.shape[:-2] + (1, keys.shape[-1]))
+        return F.scaled_dot_product_attention(
+            q, torch.cat([keys, zero], dim=-2), torch.cat([values, zero], dim=-2),
+            attn_mask=torch.cat([bias, sink], dim=-1), scale=self.scale, enable_gqa=True)
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -190,11 +216,7 @@ class PagedAttention:
             tables, mask = meta.window_decode(self.window, block_size)
         keys = self._gather(k_cache, tables, q.dtype)  # [B, KVH, L, D]
         values = self._gather(v_cache, tables, q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask,
-            scale=self.scale, enable_gqa=True,
-        )  # [B, H, 1, D]
-        return o.squeeze(2)
+        return self._sdpa(q.unsqueeze(2), keys, values, mask).squeeze(2)  # [B, H, 1, D] -> [B, H, D]
 
     def _prefill(self, q, k, v, k_cache, v_cache, context_len: int,
                  block_table: torch.Tensor) -> torch.Tensor:
@@ -206,18 +228,10 @@ class PagedAttention:
             # it reads them fresh or from the cache (a KV dtype below the model's).
             if k_cache.dtype != k.dtype:
                 k, v = _as_read(k, k_cache.dtype, q.dtype), _as_read(v, v_cache.dtype, q.dtype)
-            if not window or window >= n:  # the window reaches back to key 0 from every query
-                o = F.scaled_dot_product_attention(
-                    qh, k.transpose(0, 1), v.transpose(0, 1),
-                    is_causal=True, scale=self.scale, enable_gqa=True,
-                )
-                return o.transpose(0, 1)
             pos = torch.arange(n, device=q.device)
-            o = F.scaled_dot_product_attention(
-                qh, k.transpose(0, 1), v.transpose(0, 1), attn_mask=_mask(pos, pos, window),
-                scale=self.scale, enable_gqa=True,
-            )
-            return o.transpose(0, 1)
+            # Without a window reaching short of key 0, plain causal.
+            mask = None if not window or window >= n else _mask(pos, pos, window)
+            return self._sdpa(qh, k.transpose(0, 1), v.transpose(0, 1), mask).transpose(0, 1)
         total = context_len + n
         # Keys from the block holding the first one the chunk's first query sees.
         start = (max(0, context_len + 1 - window) if window else 0) // k_cache.shape[2] * k_cache.shape[2]
@@ -226,10 +240,7 @@ class PagedAttention:
         values = self._gather(v_cache, table, q.dtype)[:, : total - start]
         q_pos = torch.arange(context_len, total, device=q.device)
         k_pos = torch.arange(start, total, device=q.device)
-        o = F.scaled_dot_product_attention(
-            qh, keys, values, attn_mask=_mask(q_pos, k_pos, window), scale=self.scale, enable_gqa=True
-        )
-        return o.transpose(0, 1)
+        return self._sdpa(qh, keys, values, _mask(q_pos, k_pos, window)).transpose(0, 1)
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

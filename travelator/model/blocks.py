@@ -36,6 +36,10 @@ class Attention(nn.Module):
         self.qkv_weight = param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
         self.qkv_bias = param(self.q_size + 2 * self.kv_size, dtype=dtype) if arch.attention_bias else None
         self.o_weight = param(h, self.q_size, dtype=dtype)
+        # gpt-oss: a bias on the output (added once, on rank 0's share, before the all-reduce)
+        # and a sink logit per query head.
+        self.o_bias = param(h, dtype=dtype) if arch.output_bias else None
+        self.sinks = param(self.num_heads, dtype=dtype) if arch.attention_sinks else None
         offset = arch.norm_unit_offset
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype, unit_offset=offset) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype, unit_offset=offset) if arch.qk_norm else None
@@ -52,8 +56,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.ops.head_rms_norm(q, self.q_norm), self.ops.head_rms_norm(k, self.k_norm)
         q, k = self.ops.rope(positions, q, k, rope)
-        attn = self.attn(q, k, v, k_cache, v_cache, meta)
-        o = self.ops.linear(attn.reshape(t, self.q_size), self.o_weight)
+        attn = self.attn(q, k, v, k_cache, v_cache, meta, self.sinks)
+        first_rank = self.tp is None or self.tp.rank == 0
+        o = self.ops.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias if first_rank else None)
         if self.tp is not None:
             self.tp.all_reduce(o)
         return o

@@ -69,7 +69,40 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any] | None,
             ratio = scaling.get("factor") or scaling["max_position_embeddings"] / old_len
             attention_factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(old_len))
         return inv_freq, float(attention_factor)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn(rotary_dim, theta, scaling)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
+
+
+def _yarn(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss): pairs that turn fewer than beta_slow times over the pretraining length are
+    interpolated by the factor, those that turn more than beta_fast times kept, a linear ramp
+    between; cos and sin scaled by 0.1 ln(factor) + 1 (or the config's attention_factor)."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def pair_of(turns: float) -> float:  # the pair index that turns `turns` times over old_len
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_of(fast), pair_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    kept = 1 - ramp  # the share of each pair's frequency kept as it is
+    inv_freq = (1 / (factor * freqs)) * (1 - kept) + (1 / freqs) * kept
+    def mscale(scale: float = 1.0) -> float:
+        return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention_factor = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale()
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -110,6 +143,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts: the gate clamped above at limit, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from travelator.model.blocks import MLP, Attention, param
 from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
-from travelator.model.moe import SparseMoE
+from travelator.model.moe import SparseMoE, StackedExperts
 from travelator.model.ops import TorchOps
 from travelator.model.quant import BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod, quantize
 from travelator.model.quant_policy import QuantPolicy
@@ -198,7 +198,7 @@ class LlamaModel(nn.Module):
         written: set[str] = set()
         parts_written: dict[str, int] = {}
         builders: dict[str, QuantizedBuilder] = {}  # quantized weights being filled
-        for name, tensor in weights:
+        for name, tensor in StackedExperts().per_expert(weights):
             name = name.removeprefix("model.")
             mapped = self._checkpoint_target(name)
             if mapped is None:
@@ -316,6 +316,8 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
     "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
     "self_attn.o_proj.weight": ("self_attn.o_weight", None),
+    "self_attn.o_proj.bias": ("self_attn.o_bias", None),  # gpt-oss
+    "self_attn.sinks": ("self_attn.sinks", None),  # gpt-oss
     "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
     "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),  # Gemma 3: on attention's output
@@ -329,10 +331,12 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
 
 # A mixture's tensors (Qwen3-MoE's names under mlp., Mixtral's under block_sparse_moe.): the
 # router, and per expert its gate, up and down projections.
-_MOE_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_MOE_ROUTERS = {"mlp.gate.weight": "mlp.router_weight", "block_sparse_moe.gate.weight": "mlp.router_weight",
+                "mlp.router.weight": "mlp.router_weight", "mlp.router.bias": "mlp.router_bias"}  # gpt-oss: router.
 _EXPERT_TENSORS: dict[str, tuple[str, int | None]] = {
     "gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gate_up_weight", 1),
     "down_proj.weight": ("down_weight", None),
+    "gate_proj.bias": ("gate_up_bias", 0), "up_proj.bias": ("gate_up_bias", 1), "down_proj.bias": ("down_bias", None),
     "w1.weight": ("gate_up_weight", 0), "w3.weight": ("gate_up_weight", 1), "w2.weight": ("down_weight", None),
 }
 
@@ -340,7 +344,7 @@ _EXPERT_TENSORS: dict[str, tuple[str, int | None]] = {
 def _expert_target(rest: str) -> tuple[str, int | None] | None:
     """(parameter within the layer, fused part) of a mixture's tensor name, or None."""
     if rest in _MOE_ROUTERS:
-        return "mlp.router_weight", None
+        return _MOE_ROUTERS[rest], None
     prefix, _, tail = rest.partition(".experts.")
     if prefix not in ("mlp", "block_sparse_moe") or not tail:
         return None
@@ -388,6 +392,11 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             p + "mlp.gate_up_weight": (2 * inter, h),
             p + "mlp.down_weight": (h, inter),
         }
+        if arch.output_bias:
+            shards[p + "self_attn.o_bias"], shapes[p + "self_attn.o_bias"] = replicated, (h,)  # added on rank 0
+        if arch.attention_sinks:
+            shards[p + "self_attn.sinks"] = Shard(0, (arch.num_heads,))  # each rank its heads'
+            shapes[p + "self_attn.sinks"] = (arch.num_heads,)
         if arch.is_moe_layer(i):
             _moe_layout(arch, p, shards, shapes)
     return shards, shapes
@@ -396,11 +405,12 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
 def _moe_layout(arch: ModelArch, p: str, shards: dict[str, Shard], shapes: dict[str, tuple[int, ...]]) -> None:
     """A mixture layer's parameters: the router replicated, each expert split as the MLP is."""
     h, inter = arch.hidden_size, arch.expert_intermediate_size
-    shards[p + "mlp.router_weight"] = Shard()
-    shapes[p + "mlp.router_weight"] = (arch.num_experts, h)
+    shards[p + "mlp.router_weight"], shapes[p + "mlp.router_weight"] = Shard(), (arch.num_experts, h)
+    shards[p + "mlp.router_bias"], shapes[p + "mlp.router_bias"] = Shard(), (arch.num_experts,)
     for e in range(arch.num_experts):
         q = f"{p}mlp.experts.{e}."
-        shards[q + "gate_up_weight"] = Shard(0, (inter, inter))
+        shards[q + "gate_up_weight"] = shards[q + "gate_up_bias"] = Shard(0, (inter, inter))
         shards[q + "down_weight"] = Shard(1, (inter,))
-        shapes[q + "gate_up_weight"] = (2 * inter, h)
-        shapes[q + "down_weight"] = (h, inter)
+        shards[q + "down_bias"] = Shard()  # added on rank 0
+        shapes[q + "gate_up_weight"], shapes[q + "gate_up_bias"] = (2 * inter, h), (2 * inter,)
+        shapes[q + "down_weight"], shapes[q + "down_bias"] = (h, inter), (h,)

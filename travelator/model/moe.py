@@ -1,5 +1,5 @@
-"""A mixture of experts in place of the gated MLP (Mixtral, Qwen3-MoE), for one flat batch of
-tokens [T, hidden].
+"""A mixture of experts in place of the gated MLP (Mixtral, Qwen3-MoE, gpt-oss), for one flat
+batch of tokens [T, hidden].
 
 The router scores every expert per token (a linear layer, then a float32 softmax); each token
 takes its ``experts_per_token`` largest, renormalised where the config says so. The experts
@@ -29,13 +29,84 @@ from travelator.model.ops import TorchOps
 from travelator.model.tp_group import TPGroup
 
 
-class Expert(nn.Module):
-    """One expert: a SwiGLU MLP of the experts' intermediate size (this rank's share)."""
+# MXFP4 (gpt-oss checkpoints): blocks of 32 four-bit e2m1 codes, two to a byte (the low
+# nibble first), and a power-of-two scale per block, 2 ** (byte - 127).
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks uint8 [..., n, 16], scales uint8 [..., n] -> float32 [..., 32 n]."""
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., n, 32]
+    values = table[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+class StackedExperts:
+    """gpt-oss's checkpoint tensors hold every expert of a layer in one tensor; the model loads
+    experts one by one under the per-expert names (``mlp.experts.3.gate_proj.weight``), as the
+    other families' checkpoints name them. ``per_expert`` passes every other tensor through.
+
+    - ``mlp.experts.gate_up_proj`` [experts, hidden, 2 inter], gate and up interleaved along the
+      last dimension (gate the even columns), and its bias [experts, 2 inter], likewise;
+    - ``mlp.experts.down_proj`` [experts, inter, hidden] and its bias [experts, hidden];
+    - or, quantized (MXFP4), ``{gate_up,down}_proj_blocks`` [experts, out, in / 32, 16] with
+      ``_scales`` [experts, out, in / 32], in (out, in) order: dequantized here, as they arrive in
+      pairs (the 4-bit codes are not kept)."""
+
+    def __init__(self) -> None:
+        self._halves: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, awaiting the other
+
+    def per_expert(self, weights):
+        for name, tensor in weights:
+            prefix, _, tail = name.rpartition(".experts.")
+            if not prefix.endswith("mlp") or tail not in _STACKED:
+                yield name, tensor
+                continue
+            if tail.endswith(("_blocks", "_scales")):
+                base = tail.rsplit("_", 1)[0]
+                other = self._halves.pop(f"{prefix}.{base}", None)
+                if other is None:
+                    self._halves[f"{prefix}.{base}"] = tensor
+                    continue
+                blocks, scales = (tensor, other) if tail.endswith("_blocks") else (other, tensor)
+                tensor, tail = dequantize_mxfp4(blocks, scales).transpose(1, 2), base  # as the float one
+            yield from _unstack(prefix, tail, tensor)
+        if self._halves:
+            raise ValueError(f"MXFP4 tensors without their other half: {sorted(self._halves)}")
+
+
+_STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
+            "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def _unstack(prefix: str, tail: str, tensor: torch.Tensor):
+    """One stacked gpt-oss tensor as per-expert HF-named ones (gate and up de-interleaved)."""
+    for e in range(tensor.shape[0]):
+        name = f"{prefix}.experts.{e}."
+        t = tensor[e]
+        if tail == "gate_up_proj":  # [hidden, 2 inter]
+            yield name + "gate_proj.weight", t[:, 0::2].T.contiguous()
+            yield name + "up_proj.weight", t[:, 1::2].T.contiguous()
+        elif tail == "gate_up_proj_bias":
+            yield name + "gate_proj.bias", t[0::2].contiguous()
+            yield name + "up_proj.bias", t[1::2].contiguous()
+        elif tail == "down_proj":  # [inter, hidden]
+            yield name + "down_proj.weight", t.T.contiguous()
+        else:
+            yield name + "down_proj.bias", t
+
+
+class Expert(nn.Module):
+    """One expert: a SwiGLU MLP of the experts' intermediate size (this rank's share); gpt-oss's
+    with biases (the down projection's added on rank 0 only, before the all-reduce)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> None:
         super().__init__()
         self.gate_up_weight = param(2 * inter, hidden, dtype=dtype)
         self.down_weight = param(hidden, inter, dtype=dtype)
+        self.gate_up_bias = param(2 * inter, dtype=dtype) if bias else None
+        self.down_bias = param(hidden, dtype=dtype) if bias else None
 
 
 class SparseMoE(nn.Module):
@@ -47,14 +118,19 @@ class SparseMoE(nn.Module):
         self.top_k = arch.experts_per_token
         self.renormalize = arch.norm_topk_prob
         self.router_weight = param(arch.num_experts, arch.hidden_size, dtype=dtype)
+        self.router_bias = param(arch.num_experts, dtype=dtype) if arch.expert_bias else None
         inter = arch.expert_intermediate_size // size
-        self.experts = nn.ModuleList(Expert(arch.hidden_size, inter, dtype) for _ in range(arch.num_experts))
+        self.experts = nn.ModuleList(Expert(arch.hidden_size, inter, dtype, arch.expert_bias)
+                                     for _ in range(arch.num_experts))
+        self._first_rank = tp is None or tp.rank == 0
+        limit, alpha = arch.swiglu_limit, arch.swiglu_alpha
+        self.act = ops.silu_and_mul if limit is None else (lambda h: ops.clamped_swiglu(h, alpha, limit))
         self._plain_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def plain_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """Every expert's gate/up and down weights, for a kernel that runs the experts in one
         call (``ops.moe_experts``); None where some are quantized (they take ops.linear)."""
-        if self._plain_weights is None:
+        if self._plain_weights is None and self.router_bias is None and self.act == self.ops.silu_and_mul:
             gate_up = [e.gate_up_weight for e in self.experts]
             down = [e.down_weight for e in self.experts]
             if all(isinstance(w, torch.Tensor) for w in gate_up + down):
@@ -64,7 +140,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] (largest score first) and their weights [T, k], rounded
         to the model dtype as the reference rounds them."""
-        logits = self.ops.linear(x, self.router_weight)
+        logits = self.ops.linear(x, self.router_weight, self.router_bias)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -97,6 +173,7 @@ class SparseMoE(nn.Module):
                 continue
             rows = order[start:start + count]
             start += count
-            h = self.ops.linear(x[rows // self.top_k], expert.gate_up_weight)
-            out[rows] = self.ops.linear(self.ops.silu_and_mul(h), expert.down_weight)
+            h = self.ops.linear(x[rows // self.top_k], expert.gate_up_weight, expert.gate_up_bias)
+            down_bias = expert.down_bias if self._first_rank else None
+            out[rows] = self.ops.linear(self.act(h), expert.down_weight, down_bias)
         return out

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from travelator import kernels
 from travelator.model.attention import AttentionBackend
-from travelator.model.layers import RMSNorm, RotaryEmbedding, gelu_tanh_and_mul, silu_and_mul
+from travelator.model.layers import RMSNorm, RotaryEmbedding, clamped_swiglu, gelu_tanh_and_mul, silu_and_mul
 from travelator.model.linear_route import LinearRoute
 from travelator.model.native_linear import NativeLinear, StreamingLinear
 from travelator.model.quant import QuantizedWeight, quantized_linear
@@ -84,6 +84,10 @@ class TorchOps:
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GeGLU (Gemma): the tanh-approximated GELU of the gate times up."""
         return gelu_tanh_and_mul(gate_up)
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's experts' activation (layers.clamped_swiglu)."""
+        return clamped_swiglu(gate_up, alpha, limit)
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:

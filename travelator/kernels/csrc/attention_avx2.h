@@ -46,7 +46,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
                            const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                            const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                            int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           float scale, int64_t window) {
+                           float scale, int64_t window, const float* sinks) {
   constexpr int64_t D = 8 * kChunks, C = kRowKeyChunk, kRow = row_width<cache_t>(D);
   constexpr int64_t kHalf = kChunks > 8 ? 8 : kChunks;  // accumulators in registers at once
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
@@ -131,7 +131,7 @@ void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q
   }
   for (int64_t row = 0; row < rows; ++row) {
     scalar_t* dst = out + ((token0 + row / group) * num_heads + kv_head * group + row % group) * D;
-    const float inv = 1.0f / l[row];
+    const float inv = 1.0f / softmax_denominator(l[row], m[row], sinks, kv_head * group + row % group);
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
   }
 }
@@ -141,12 +141,12 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
                       const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                       const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      float scale, int64_t window) {
+                      float scale, int64_t window, const float* sinks) {
   (void)head_dim;
   for (int64_t h = w.first_head; h < w.end_head; ++h)
     attend_item_head_avx2<scalar_t, cache_t, kChunks>(w, h, q, k_cache, v_cache, out, query_start, seq_lens,
                                                      block_tables, table_width, q_stride, num_heads,
-                                                     num_kv_heads, block_size, scale, window);
+                                                     num_kv_heads, block_size, scale, window, sinks);
 }
 #endif
 

@@ -161,7 +161,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                      const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     float scale, int64_t window) {
+                     float scale, int64_t window, const float* sinks) {
   // head_dim / 16 is a compile-time constant, so that q and the accumulators stay in
   // registers (an array indexed by a run-time bound would live on the stack).
   constexpr int64_t D = 16 * kChunks;
@@ -312,7 +312,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
   for (int64_t hr = w.first_head * rows; hr < w.end_head * rows; ++hr) {
     const int64_t h = hr / rows, row = hr % rows;
     scalar_t* dst = out + ((token0 + row / group) * num_heads + h * group + row % group) * D;
-    const float inv = 1.0f / l[hr];
+    const float inv = 1.0f / softmax_denominator(l[hr], m[hr], sinks, h * group + row % group);
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[hr * D + d] * inv);
   }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -38,6 +39,13 @@ inline float row_scale(const cache_t* row, int64_t head_dim) {
 // pos - window + 1 (0 near the start).
 inline int64_t first_key(int64_t pos, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// The denominator of a row's softmax: the sum l of its keys' weights (each exp(score - m), m the
+// row's largest score), plus, with sinks (gpt-oss: per query head a logit that takes a share
+// of the softmax and adds no value), exp(sink - m).
+inline float softmax_denominator(float l, float m, const float* sinks, int64_t head) {
+  return sinks == nullptr ? l : l + std::exp(sinks[head] - m);
 }
 
 struct WorkItem {

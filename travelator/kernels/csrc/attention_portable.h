@@ -19,7 +19,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 float scale, int64_t window) {
+                 float scale, int64_t window, const float* sinks) {
   const int64_t D = head_dim, bs = block_size, row = row_width<cache_t>(D);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
@@ -99,7 +99,7 @@ void attend_item_head(const WorkItem& w, int64_t kv_head, const scalar_t* q, con
     for (int64_t r = 0; r < group; ++r) {
       const int64_t row = i * group + r;
       scalar_t* dst = out + (token * num_heads + kv_head * group + r) * D;
-      const float inv = 1.0f / l[row];
+      const float inv = 1.0f / softmax_denominator(l[row], m[row], sinks, kv_head * group + r);
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
     }
   }
@@ -111,10 +111,10 @@ void attend_item(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
                  const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
                  const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 float scale, int64_t window) {
+                 float scale, int64_t window, const float* sinks) {
   for (int64_t h = w.first_head; h < w.end_head; ++h)
     attend_item_head(w, h, q, k_cache, v_cache, out, query_start, seq_lens, block_tables,
-                     table_width, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window);
+                     table_width, q_stride, num_heads, num_kv_heads, head_dim, block_size, scale, window, sinks);
 }
 
 }  // namespace travelator::attention

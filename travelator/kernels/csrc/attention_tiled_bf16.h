@@ -60,7 +60,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
                        const c10::BFloat16* v_cache, c10::BFloat16* out, const int64_t* query_start,
                        const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                        int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                       float scale, int64_t window) {
+                       float scale, int64_t window, const float* sinks) {
   constexpr int64_t D = 16 * kChunks, kPairs = D / 2;
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
@@ -73,7 +73,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   const int64_t* table = block_tables + w.request * table_width;
 
   std::vector<uint32_t> qt(nrb * kPairs * 16), pp(kTiledKeys / 2 * rpad);
-  std::vector<float> acc(rpad * D), s(kTiledKeys * rpad), lsum(rpad);
+  std::vector<float> acc(rpad * D), s(kTiledKeys * rpad), lsum(rpad), msum(rpad);
   std::vector<__m512bh> vi(kTiledKeys / 2 * kChunks);
   std::vector<__m512> m(nrb), l(nrb);
   std::vector<__m512i> row_pos(nrb), row_first(nrb);  // per lane: its position, its first key
@@ -195,10 +195,13 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
         pv_pairs_any<kChunks>(nr, &acc[r0 * D], D, &pp[r0], rpad, vi.data(), n_pairs);
       }
     }
-    for (int64_t rb = 0; rb < nrb; ++rb) _mm512_storeu_ps(&lsum[rb * 16], l[rb]);
+    for (int64_t rb = 0; rb < nrb; ++rb) {
+      _mm512_storeu_ps(&lsum[rb * 16], l[rb]);
+      _mm512_storeu_ps(&msum[rb * 16], m[rb]);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       c10::BFloat16* dst = out + ((token0 + r / group) * num_heads + h * group + r % group) * D;
-      const float inv = 1.0f / lsum[r];
+      const float inv = 1.0f / softmax_denominator(lsum[r], msum[r], sinks, h * group + r % group);
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(acc[r * D + d] * inv);
     }
   }

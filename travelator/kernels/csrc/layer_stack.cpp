@@ -58,8 +58,9 @@ struct Kernels {
       kernel<void(T&, T&, const T&, const T&, const T&)>("travelator::rope_");
   c10::TypedOperatorHandle<void(T&, T&, const T&, const T&, const T&)> write_kv =
       kernel<void(T&, T&, const T&, const T&, const T&)>("travelator::write_kv_");
-  c10::TypedOperatorHandle<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, int64_t)> attention =
-      kernel<T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, int64_t)>("travelator::paged_attention");
+  using Attention = T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, int64_t,
+                      const std::optional<T>&);
+  c10::TypedOperatorHandle<Attention> attention = kernel<Attention>("travelator::paged_attention");
   std::optional<c10::TypedOperatorHandle<SmallM>> small_m = kernel_if_built<SmallM>("travelator::small_m_linear");
   std::optional<c10::TypedOperatorHandle<Blocked>> blocked = kernel_if_built<Blocked>("travelator::blocked_linear");
   std::optional<c10::TypedOperatorHandle<Int8>> int8 = kernel_if_built<Int8>("travelator::quant_linear_int8");
@@ -128,7 +129,7 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
     k.rope.call(q, key, positions, cos, sin);  // in place, through the views
     T k_cache = k_caches[l], v_cache = v_caches[l];
     k.write_kv.call(k_cache, v_cache, slots, key, value);  // written before read, as in attention.py
-    const T attn = k.attention.call(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, tiled, windows[l]);
+    const T attn = k.attention.call(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, tiled, windows[l], std::nullopt);
     const T o = linear(k, linear_tensors, linear_ints, 4 * l + 1, attn.reshape({t, q_size}));
     const T normed2 = k.add_rms_norm.call(x, o, norms[2 * l + 1], eps);
     const T gate_up = linear(k, linear_tensors, linear_ints, 4 * l + 2, normed2);

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -47,7 +48,7 @@ using namespace travelator::attention;
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-         const at::Tensor& block_tables, double scale, bool tiled, int64_t window) {
+         const at::Tensor& block_tables, double scale, bool tiled, int64_t window, const float* sinks) {
   const int64_t num_requests = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
@@ -113,14 +114,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                              : head_dim == 64 ? &attend_item_tiled<4> : &attend_item_tiled<8>;
             tiled_fn(items[i], q_ptr, k_ptr, v_ptr, out_ptr, qs, lens, table,
                      block_tables.size(1), q.stride(0), num_heads, num_kv_heads, block_size,
-                     static_cast<float>(scale), window);
+                     static_cast<float>(scale), window, sinks);
             continue;
           }
         }
 #endif
         item_fn(items[i], q_ptr, k_ptr, v_ptr, out_ptr, qs, lens, table,
                 block_tables.size(1), q.stride(0), num_heads, num_kv_heads, head_dim, block_size,
-                static_cast<float>(scale), window);
+                static_cast<float>(scale), window, sinks);
       }
     }
   });
@@ -129,12 +130,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 template <typename scalar_t>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables, double scale, bool tiled, int64_t window) {
+                    const at::Tensor& block_tables, double scale, bool tiled, int64_t window, const float* sinks) {
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
-    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
-    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
-    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window);
+    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
+    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
+    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
+    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
     default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
@@ -149,10 +150,18 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // wholly before it may name any block.
 // tiled: prefill tiles may take the faster tiled kernel (bf16), whose numbers depend on
 // the tile; without it every row's numbers are independent of the rest of the call.
+// sinks [H] (gpt-oss): per query head a logit in every row's softmax with no value.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale, bool tiled, int64_t window) {
+                           const at::Tensor& block_tables, double scale, bool tiled, int64_t window,
+                           const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none)");
+  at::Tensor sinks_f;  // float32, contiguous: read by every row
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "paged_attention: one sink per query head");
+    sinks_f = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sink_ptr = sinks.has_value() ? sinks_f.data_ptr<float>() : nullptr;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -167,9 +176,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "paged_attention: metadata sizes do not match");
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window); break;
-    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window); break;
-    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window); break;
+    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
+    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -179,6 +188,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(travelator, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start, "
-        "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False, int window=0) -> Tensor");
+        "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False, int window=0, "
+        "Tensor? sinks=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
