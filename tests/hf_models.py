@@ -80,7 +80,7 @@ def gpt_oss_overrides(window: int = 5) -> dict:
     factor 32 over 4096 positions), biases everywhere (randomize them: transformers starts the
     experts' at zero)."""
     return dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
-                num_hidden_layers=3, sliding_window=window, swiglu_limit=7.0, pad_token_id=0)
+                num_hidden_layers=4, sliding_window=window, swiglu_limit=7.0, pad_token_id=0)
 
 
 def randomize(path: Path, suffixes: tuple[str, ...], scale: float, offset: float = 0.0, seed: int = 1) -> None:

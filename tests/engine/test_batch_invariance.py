@@ -153,17 +153,18 @@ def test_preemption_and_prefix_hits_keep_the_numbers(batching):
         assert batched[i] == alone(req, "bfloat16", True), i
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
 def test_the_new_architectures_keep_the_mode(family, tmp_path):
     """Qwen3 (head norms, in the Python layers and the native layer stack), Phi-3 (partial
     rotary), Gemma 3 (sandwich norms in torch, GeGLU, sliding layers beside global ones) and the
     mixtures of experts (a token's experts and their sums whatever shares the step): the
     same bits alone and in a batch with chunked prefill, preemption and prefix hits."""
-    from hf_models import build_checkpoint, gemma3_overrides, mixtral_overrides, phi3_overrides, qwen3_moe_overrides
+    from hf_models import (build_checkpoint, gemma3_overrides, gpt_oss_overrides, mixtral_overrides, phi3_overrides,
+                           qwen3_moe_overrides)
 
     overrides = {"qwen3": {"head_dim": 32}, "phi3": phi3_overrides(original=512, maximum=512),
                  "gemma3": gemma3_overrides(window=5), "mixtral": mixtral_overrides(),
-                 "qwen3_moe": qwen3_moe_overrides()}[family]
+                 "qwen3_moe": qwen3_moe_overrides(), "gpt_oss": gpt_oss_overrides()}[family]
     model = str(build_checkpoint(tmp_path / family, family, **overrides))
     rng = random.Random(7)
     reqs = [Req(rng.randint(0, 3), tuple(rng.randrange(3, 300) for _ in range(rng.randint(5, 80))), 10, None)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import (build_checkpoint, gemma3_overrides, load_reference, mixtral_overrides, phi3_overrides,
-                       qwen3_moe_overrides, reference_greedy)
+from hf_models import (build_checkpoint, gemma3_overrides, gpt_oss_overrides, load_reference, mixtral_overrides,
+                       phi3_overrides, qwen3_moe_overrides, randomize, reference_greedy)
 from staggered import greedy, run_staggered
 from travelator import LLM
 from travelator.engine.tp_executor import TensorParallelError
@@ -52,14 +52,16 @@ def make_requests(n: int, seed: int) -> list[tuple[int, list[int], int]]:
 TIGHT = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_tokens=7)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
 def test_tp2_matches_tp1_and_transformers(family, tmp_path):
     """Mixtures of experts: each rank holds half of every expert's intermediate size."""
     overrides = {"llama": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32},
                  "phi3": phi3_overrides(original=512, maximum=512),
                  "gemma3": gemma3_overrides(window=5), "mixtral": mixtral_overrides(),
-                 "qwen3_moe": qwen3_moe_overrides()}.get(family, {})
+                 "qwen3_moe": qwen3_moe_overrides(), "gpt_oss": gpt_oss_overrides()}.get(family, {})
     path = build_checkpoint(tmp_path, family, **overrides)
+    if family == "gpt_oss":  # biases and sinks split over ranks or added once: make them count
+        randomize(path, ("bias", "sinks"), 0.5)
     reqs = make_requests(10, seed=11)
     one = LLM(str(path), device="cpu", **TIGHT)
     want = run_staggered(one, reqs)
