@@ -1,0 +1,72 @@
+"""gpt-oss beyond tests/model/test_model_vs_transformers.py: a checkpoint whose experts are
+MXFP4 (blocks of 32 four-bit e2m1 codes and a power-of-two scale each, as the released ones
+ship) against transformers' own dequantizing load, and YaRN's frequencies against
+transformers' rope functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import build_checkpoint, gpt_oss_overrides, randomize, reference_greedy, reference_logprobs
+from travelator import LLM, SamplingParams
+from travelator.model.layers import rope_inv_freq
+
+
+def mxfp4_checkpoint(path):
+    """A gpt-oss checkpoint with random MXFP4 experts in place of float ones, as the released
+    checkpoints store them ([experts, out, in / 32, 16] codes, [experts, out, in / 32] scales)."""
+    build_checkpoint(path, "gpt_oss", **dict(gpt_oss_overrides(), intermediate_size=64))
+    randomize(path, ("bias", "sinks"), 0.5)
+    weights = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = weights.pop(name).shape
+        weights[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g,
+                                                  dtype=torch.uint8)
+        weights[name + "_scales"] = torch.randint(122, 130, (experts, outputs, inputs // 32), generator=g,
+                                                  dtype=torch.uint8)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    path = mxfp4_checkpoint(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager",
+                                               quantization_config=Mxfp4Config(dequantize=True)).eval()
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    prompt = [1, 7, 99, 250, 3, 18, 42, 77, 5, 9, 11, 13, 15, 17]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference_greedy(ref, prompt, 8)
+    want = reference_logprobs(ref, prompt + out.token_ids)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry.logprob == pytest.approx(float(want[len(prompt) - 1 + i, token]), abs=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 8.0, "original_max_position_embeddings": 2048},  # truncated, default betas
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "attention_factor": 1.25, "original_max_position_embeddings": 1024},
+])
+def test_yarn_matches_transformers(scaling):
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(scaling, rope_type="yarn", rope_theta=150000.0)
+    cfg = GptOssConfig(hidden_size=64, num_attention_heads=4, head_dim=64, rope_parameters=rope,
+                       max_position_embeddings=131072)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    got, factor = rope_inv_freq(64, 150000.0, rope, 131072)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(want_factor)
