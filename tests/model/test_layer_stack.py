@@ -42,17 +42,21 @@ def _generate(llm: LLM, use_stack: bool) -> tuple[list, int]:
     return out, len(calls)
 
 
-@pytest.mark.parametrize("dtype,quantization,kv", [
-    ("bfloat16", "none", "auto"),
-    ("bfloat16", "int8", "auto"),
-    ("bfloat16", "int4", "auto"),
-    ("float32", "int4", "auto"),
-    ("bfloat16", "int4", "int8"),
+@pytest.mark.parametrize("model,dtype,quantization,kv", [
+    ("dummy:tiny", "bfloat16", "none", "auto"),
+    ("dummy:tiny", "bfloat16", "int8", "auto"),
+    ("dummy:tiny", "bfloat16", "int4", "auto"),
+    ("dummy:tiny", "float32", "int4", "auto"),
+    ("dummy:tiny", "bfloat16", "int4", "int8"),
+    # Mixtures of experts: the router, top-k and weighted sum in C++, the experts in one call.
+    ("dummy:qwen3-moe-tiny", "bfloat16", "none", "auto"),
+    ("dummy:qwen3-moe-tiny", "bfloat16", "int8", "auto"),
+    ("dummy:qwen3-moe-tiny", "bfloat16", "int4", "auto"),
 ])
-def test_the_layer_stack_gives_the_python_layers_bits(dtype, quantization, kv):
+def test_the_layer_stack_gives_the_python_layers_bits(model, dtype, quantization, kv):
     # Two seats: decode steps of one and two rows (bf16's small_m_linear takes 2 rows on
     # AVX512-BF16, 4 on AVX2), prompts in steps of 3-9 rows that only int8/int4 stream.
-    llm = LLM("dummy:tiny", device="cpu", dtype=dtype, quantization=quantization, quantization_group_size=32,
+    llm = LLM(model, device="cpu", dtype=dtype, quantization=quantization, quantization_group_size=32,
               kv_cache_dtype=kv, max_num_seqs=2, enable_prefix_caching=False)
     python, none = _generate(llm, use_stack=False)
     stacked, used = _generate(llm, use_stack=True)

@@ -118,22 +118,33 @@ def test_parameter_counts_match_transformers(family, tmp_path):
 
 @pytest.mark.skipif(not kernels.available() or not hasattr(torch.ops.travelator, "moe_experts"),
                     reason="needs the native experts kernel (AVX2 or AVX512-BF16)")
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-def test_native_experts_call_is_the_python_path_bit_for_bit(tokens):
-    """A step of a few tokens with bf16 experts takes one native call (ops.moe_experts): the
-    same bits as the expert-by-expert path, an unused expert untouched."""
-    arch = replace(ARCH, hidden_size=96, expert_intermediate_size=80)  # chunks of 64 rows and a remainder
+def test_native_experts_call_is_the_python_path_bit_for_bit(method, tokens):
+    """A step of a few tokens takes one native call (ops.moe_experts): bf16 experts in the fused
+    passes, int8/int4 ones expert by expert on their integer kernels; the same bits as the
+    expert-by-expert Python path, an unused expert untouched."""
+    from travelator.model.quant import quantize
+
+    arch = replace(ARCH, hidden_size=128, expert_intermediate_size=96, num_experts=16)  # 64-row chunks + a rest
     moe = layer(arch, NativeOps)
-    for p in moe.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    moe._plain_weights = None
-    rows = min(tokens, moe.ops.streaming_rows(False))
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for expert in moe.experts:
+        for name in ("gate_up_weight", "down_weight"):
+            weight = getattr(expert, name).data.to(torch.bfloat16)
+            del expert._parameters[name]
+            setattr(expert, name, torch.nn.Parameter(weight, requires_grad=False) if method is None
+                    else quantize(weight, method, 32))
+    moe.router_weight.data = moe.router_weight.data.to(torch.bfloat16)
+    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)])
+    stack = moe.expert_stack()
+    assert stack is not None
+    rows = min(tokens, *(moe.ops.streaming_rows(q, int8) for q, int8 in stack.row_kinds))
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     experts, _ = moe.route(x)
-    native = moe.ops.moe_experts(x, experts, *moe.plain_weights())
+    native = moe.ops.moe_experts(x, experts, stack)
     assert native is not None
     assert torch.equal(native, moe._grouped(x, experts))
-    assert torch.equal(moe(x), moe(x.clone()))
     unused = sorted(set(range(arch.num_experts)) - set(experts.flatten().tolist()))[0]
-    moe.experts[unused].gate_up_weight.data.fill_(float("nan"))
-    assert torch.equal(moe.ops.moe_experts(x, experts, *moe.plain_weights()), native)
+    poisoned = moe.experts[unused].down_weight
+    {None: lambda: poisoned.data, "int8": lambda: poisoned.scales, "int4": lambda: poisoned.scales_zeros}[method]().fill_(float("nan"))
+    assert torch.equal(moe.ops.moe_experts(x, experts, stack), native)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+          "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a mixture's stacked experts too
 KINDS = ("F16", "Q8_0", "Q4_0", "Q4_1")
 
 

@@ -18,10 +18,12 @@ import torch
 from travelator.model.attention import AttentionMetadata
 from travelator.model.layers import RotaryEmbedding
 from travelator.model.linear_route import LinearRoute
+from travelator.model.moe import SparseMoE
 
 
 # Families whose layers the native stack does not run: Gemma 3's sandwich norms, two ropes and
-# unit-offset norms are the Python layers' (model/gemma3.py); neither do mixtures of experts.
+# unit-offset norms are the Python layers' (model/gemma3.py). gpt-oss (sinks, biases, its own
+# activation) runs its Python layers too.
 STACKLESS_FAMILIES = ("gemma3",)
 
 
@@ -34,6 +36,9 @@ class LayerStack:
     linear_tensors: list[torch.Tensor | None]  # per linear layer (a, b, bias), see csrc/layer_stack.cpp
     linear_ints: list[int]  # per linear layer (route, group, out_features)
     windows: list[int]  # per layer its attention's sliding window, 0 for none
+    experts: list[int]  # per layer its mixture's experts, 0 for a dense MLP
+    top_k: int  # a mixture's experts per token
+    renormalize: bool  # whether a mixture renormalises its top-k
     # Which kinds of weights it holds, (quantized, int8), as ``streaming_rows`` takes them:
     # their row limits differ.
     row_kinds: frozenset[tuple[bool, bool]]
@@ -50,17 +55,20 @@ class LayerStack:
         ops = model.ops
         if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
             return None
-        if model.arch.family in STACKLESS_FAMILIES or model.arch.num_experts:
+        arch = model.arch
+        if arch.family in STACKLESS_FAMILIES or arch.attention_sinks or arch.output_bias or arch.expert_bias:
             return None
-        norms, head_norms, tensors, ints, windows, kinds = [], [], [], [], [], set()
+        if arch.num_experts and not hasattr(torch.ops.travelator, "moe_experts"):
+            return None
+        norms, head_norms, tensors, ints, windows, kinds, experts = [], [], [], [], [], set(), []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_norm.weight, layer.post_attn_norm.weight]
             windows.append(attn.attn.window or 0)
             if attn.q_norm is not None:
                 head_norms += [attn.q_norm.weight, attn.k_norm.weight]
-            for weight, bias in ((attn.qkv_weight, attn.qkv_bias), (attn.o_weight, None),
-                                 (mlp.gate_up_weight, None), (mlp.down_weight, None)):
+            experts.append(len(mlp.experts) if isinstance(mlp, SparseMoE) else 0)
+            for weight, bias in ((attn.qkv_weight, attn.qkv_bias), (attn.o_weight, None), *_mlp_linears(mlp)):
                 spec = ops.streaming_linear(weight, bias)
                 if spec is None or (not spec.quantized and model.dtype != torch.bfloat16):
                     return None
@@ -69,8 +77,9 @@ class LayerStack:
                 kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn
-        return LayerStack(norms, head_norms, tensors, ints, windows, frozenset(kinds), model.dtype, first.num_heads,
-                          first.num_kv_heads, first.head_dim, model.layers[0].input_norm.eps, first.attn.scale)
+        return LayerStack(norms, head_norms, tensors, ints, windows, experts, arch.experts_per_token, arch.norm_topk_prob,
+                          frozenset(kinds), model.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
+                          model.layers[0].input_norm.eps, first.attn.scale)
 
     def covers(self, ops, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether the Python layers would take the streaming kernels and native attention."""
@@ -91,3 +100,14 @@ class LayerStack:
         """The final norm of the residual stream after every layer (x: the embedded tokens,
         updated in place), as LlamaModel.forward returns it."""
         return ops.decoder_layers(x, positions, rope, meta, kv_caches, self)
+
+
+def _mlp_linears(mlp) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A layer's MLP linear layers in the stack's order: gate/up and down, or a mixture's router
+    and each expert's gate/up and down."""
+    if not isinstance(mlp, SparseMoE):
+        return [(mlp.gate_up_weight, None), (mlp.down_weight, None)]
+    pairs = [(mlp.router_weight, mlp.router_bias)]
+    for expert in mlp.experts:
+        pairs += [(expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, expert.down_bias)]
+    return pairs

@@ -10,8 +10,9 @@ read. Each pair's output lands in its own row, and a token's outputs are summed 
 of its own top-k, in float32: a token's numbers never depend on which others share the step
 (batch invariance), given linear kernels whose rows are independent.
 
-A step of a few tokens with bf16 experts runs them in one native call instead
-(``ops.moe_experts``, csrc/moe_experts.cpp), with the same numbers: a decode of one request
+A step of a few tokens runs the experts in one native call instead (``ops.moe_experts``,
+csrc/moe_experts.cpp: each projection by the streaming route ops.linear would take, bf16
+experts in one parallel pass per projection), with the same numbers: a decode of one request
 would otherwise spend more time between its kernels than in them.
 
 Tensor parallelism splits every expert's intermediate size over the ranks like the dense MLP
@@ -20,11 +21,14 @@ Tensor parallelism splits every expert's intermediate size over the ranks like t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from travelator.model.arch import ModelArch
 from travelator.model.blocks import param
+from travelator.model.linear_route import LinearRoute
 from travelator.model.ops import TorchOps
 from travelator.model.tp_group import TPGroup
 
@@ -109,6 +113,36 @@ class Expert(nn.Module):
         self.down_bias = param(hidden, dtype=dtype) if bias else None
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertStack:
+    """Expert e's gate/up and down projections as linear layers 2e and 2e + 1, each three
+    entries of ``linear_tensors`` (a, b, bias) and of ``linear_ints`` (route, group, out
+    features): the encoding of model/layer_stack.py, read by csrc/moe_experts.cpp."""
+
+    linear_tensors: list[torch.Tensor | None]
+    linear_ints: list[int]
+    row_kinds: frozenset[tuple[bool, bool]]  # (quantized, int8) of its weights, as streaming_rows takes them
+
+    @staticmethod
+    def of(ops: TorchOps, experts: nn.ModuleList) -> ExpertStack | None:
+        tensors: list[torch.Tensor | None] = []
+        ints: list[int] = []
+        kinds = set()
+        for expert in experts:
+            for weight, bias in ((expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, expert.down_bias)):
+                spec = ops.streaming_linear(weight, bias)
+                if spec is None:
+                    return None
+                tensors += [spec.a, spec.b, spec.bias]
+                ints += [int(spec.route), spec.group, spec.out_features]
+                kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
+        return ExpertStack(tensors, ints, frozenset(kinds))
+
+    def covers(self, ops: TorchOps, rows: int) -> bool:
+        """Whether ops.linear would stream every expert's weights at this many rows."""
+        return all(rows <= ops.streaming_rows(q, int8) for q, int8 in self.row_kinds)
+
+
 class SparseMoE(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -125,17 +159,17 @@ class SparseMoE(nn.Module):
         self._first_rank = tp is None or tp.rank == 0
         limit, alpha = arch.swiglu_limit, arch.swiglu_alpha
         self.act = ops.silu_and_mul if limit is None else (lambda h: ops.clamped_swiglu(h, alpha, limit))
-        self._plain_weights: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._stack: ExpertStack | None = None
+        self._stack_gathered = False
 
-    def plain_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Every expert's gate/up and down weights, for a kernel that runs the experts in one
-        call (``ops.moe_experts``); None where some are quantized (they take ops.linear)."""
-        if self._plain_weights is None and self.router_bias is None and self.act == self.ops.silu_and_mul:
-            gate_up = [e.gate_up_weight for e in self.experts]
-            down = [e.down_weight for e in self.experts]
-            if all(isinstance(w, torch.Tensor) for w in gate_up + down):
-                self._plain_weights = (gate_up, down)
-        return self._plain_weights
+    def expert_stack(self) -> ExpertStack | None:
+        """Every expert's projections as the native experts call takes them (gathered at the
+        first call: the weights are final then), or None where it cannot run them."""
+        if not self._stack_gathered:
+            silu = self.act == self.ops.silu_and_mul
+            self._stack = ExpertStack.of(self.ops, self.experts) if silu else None
+            self._stack_gathered = True
+        return self._stack
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [T, k] (largest score first) and their weights [T, k], rounded
@@ -150,8 +184,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, hidden = x.shape
         experts, weights = self.route(x)
-        plain = self.plain_weights()
-        out = None if plain is None else self.ops.moe_experts(x, experts, *plain)
+        stack = self.expert_stack()
+        out = None if stack is None else self.ops.moe_experts(x, experts, stack)
         if out is None:
             out = self._grouped(x, experts)
         weighted = out.view(t, self.top_k, hidden) * weights.unsqueeze(-1)

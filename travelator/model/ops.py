@@ -58,10 +58,10 @@ class TorchOps:
         ``streaming_linear`` names (0: none); int8: for an int8 weight."""
         return 0
 
-    def moe_experts(self, x: torch.Tensor, experts: torch.Tensor, gate_up: list[torch.Tensor],
-                    down: list[torch.Tensor]) -> torch.Tensor | None:
-        """A mixture's experts in one call (model/moe.py), or None where the ops have no such
-        kernel for these rows: every (token, expert) pair's MLP output, [T * k, hidden]."""
+    def moe_experts(self, x: torch.Tensor, experts: torch.Tensor, stack) -> torch.Tensor | None:
+        """A mixture's experts in one call (``stack``: a model/moe.ExpertStack), or None where
+        the ops have no such kernel for these rows: every (token, expert) pair's MLP output,
+        [T * k, hidden]."""
         return None
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -165,11 +165,10 @@ class NativeOps(TorchOps):
     def streaming_rows(self, quantized, int8=False):
         return self._linear.streaming_rows(quantized, int8)
 
-    def moe_experts(self, x, experts, gate_up, down):
-        # The kernel runs small_m_linear's tiles: where that kernel takes this many rows.
-        if x.dtype != torch.bfloat16 or x.shape[0] > self.streaming_rows(False) or not hasattr(self._ops, "moe_experts"):
+    def moe_experts(self, x, experts, stack):
+        if not hasattr(self._ops, "moe_experts") or not stack.covers(self, x.shape[0]):
             return None
-        return self._ops.moe_experts(x.contiguous(), experts, gate_up, down)
+        return self._ops.moe_experts(x.contiguous(), experts, stack.linear_tensors, stack.linear_ints)
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stack) -> torch.Tensor:
@@ -177,8 +176,8 @@ class NativeOps(TorchOps):
         return self._ops.decoder_layers(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.query_start, meta.seq_lens,
             meta.block_tables, stack.norms, stack.head_norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
-            stack.linear_tensors, stack.linear_ints, stack.windows, stack.num_heads, stack.num_kv_heads, stack.head_dim,
-            stack.eps, stack.scale, meta.tiled_prefill)
+            stack.linear_tensors, stack.linear_ints, stack.windows, stack.experts, stack.top_k, stack.renormalize,
+            stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale, meta.tiled_prefill)
 
     # Gemma's unit-offset norms (1 + w, rounded once) run in torch: the kernels round as Llama's.
     def rms_norm(self, x, norm):
