@@ -58,7 +58,8 @@ def write_gguf(hf_dir: Path, out: Path) -> None:
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    w.add_expert_count(cfg["num_experts"])
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers writes the latter
+    w.add_expert_count(experts)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -80,7 +81,7 @@ def write_gguf(hf_dir: Path, out: Path) -> None:
         p = f"model.layers.{layer}.mlp.experts"
         for proj, kind in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
             put(f"blk.{layer}.{kind}.weight",
-                torch.stack([weights[f"{p}.{e}.{proj}.weight"] for e in range(cfg["num_experts"])]))
+                torch.stack([weights[f"{p}.{e}.{proj}.weight"] for e in range(experts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

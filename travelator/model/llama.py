@@ -32,7 +32,8 @@ from travelator.model.blocks import MLP, Attention, param
 from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
-from travelator.model.moe import SparseMoE, StackedExperts
+from travelator.model.moe import SparseMoE
+from travelator.model.stacked_experts import StackedExperts
 from travelator.model.ops import TorchOps
 from travelator.model.quant import BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod, quantize
 from travelator.model.quant_policy import QuantPolicy
