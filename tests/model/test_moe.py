@@ -148,3 +148,25 @@ def test_native_experts_call_is_the_python_path_bit_for_bit(method, tokens):
     poisoned = moe.experts[unused].down_weight
     {None: lambda: poisoned.data, "int8": lambda: poisoned.scales, "int4": lambda: poisoned.scales_zeros}[method]().fill_(float("nan"))
     assert torch.equal(moe.ops.moe_experts(x, experts, stack), native)
+
+
+@pytest.mark.skipif(not kernels.available() or not hasattr(torch.ops.travelator, "moe_experts"),
+                    reason="needs the native experts kernel (AVX2 or AVX512-BF16)")
+def test_native_experts_call_over_many_rows_keeps_each_tokens_numbers():
+    """Past a tile's rows the native call streams an expert's rows in slices: each token's output
+    is the one it gets alone (its sums never depend on who else chose its expert), and close to
+    the GEMM path's."""
+    moe = layer(replace(ARCH, hidden_size=128, expert_intermediate_size=96), NativeOps)
+    for p in moe.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)])
+    stack = moe.expert_stack()
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    experts, _ = moe.route(x)
+    assert int(torch.bincount(experts.flatten()).max()) > moe.ops.streaming_rows(False)
+    together = moe.ops.moe_experts(x, experts, stack).view(40, 3, -1)
+    for t in (0, 17, 39):
+        alone = moe.ops.moe_experts(x[t:t + 1], experts[t:t + 1], stack).view(3, -1)
+        assert torch.equal(together[t], alone)
+    gemm = moe._grouped(x, experts).view(40, 3, -1)
+    torch.testing.assert_close(together.float(), gemm.float(), atol=0.05 * float(gemm.abs().max()), rtol=0)

@@ -24,7 +24,7 @@ MODEL_TYPES = {"gemma3_text": "gemma3"}  # config model_type -> family, where th
 # GGUF ``general.architecture`` -> family (llama.cpp writes Mistral's as "llama").
 # A llama file with experts (llama.expert_count) is Mixtral.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3",
-                      "qwen3moe": "qwen3_moe"}
+                      "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 # Families whose every layer slides when the config gives a window (others need use_sliding_window).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose attention normalises each query and key head (RMSNorm over head_dim) before rope.

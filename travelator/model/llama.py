@@ -319,6 +319,7 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
     "self_attn.o_proj.weight": ("self_attn.o_weight", None),
     "self_attn.o_proj.bias": ("self_attn.o_bias", None),  # gpt-oss
     "self_attn.sinks": ("self_attn.sinks", None),  # gpt-oss
+    "self_attn.sinks.weight": ("self_attn.sinks", None),  # gpt-oss's GGUF
     "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
     "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attn_norm.weight", None),  # Gemma 3: on attention's output
@@ -333,7 +334,8 @@ _LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
 # A mixture's tensors (Qwen3-MoE's names under mlp., Mixtral's under block_sparse_moe.): the
 # router, and per expert its gate, up and down projections.
 _MOE_ROUTERS = {"mlp.gate.weight": "mlp.router_weight", "block_sparse_moe.gate.weight": "mlp.router_weight",
-                "mlp.router.weight": "mlp.router_weight", "mlp.router.bias": "mlp.router_bias"}  # gpt-oss: router.
+                "mlp.router.weight": "mlp.router_weight", "mlp.router.bias": "mlp.router_bias",  # gpt-oss: router.
+                "mlp.gate.bias": "mlp.router_bias"}  # gpt-oss's GGUF
 _EXPERT_TENSORS: dict[str, tuple[str, int | None]] = {
     "gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gate_up_weight", 1),
     "down_proj.weight": ("down_weight", None),

@@ -123,6 +123,8 @@ _GGUF_NAMES = {
 _GGUF_FAMILY_NAMES = {
     # Phi-3: the checkpoint's fused tensors, whole (ffn_up holds gate, then up: 2 x n_ff rows).
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # gpt-oss: the MLP's input norm, and the sinks (written as a "weight").
+    "gpt_oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     # Gemma 3's sandwich norms: ffn_norm is the MLP's input norm here, not the one after attention.
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
@@ -190,6 +192,8 @@ def _gguf_arch(family: str, arch_field, tensors: dict, tokenizer: Tokenizer) -> 
     )
     if arch_field("expert_count"):
         fields |= _gguf_experts(family, arch_field, tensors, fields["num_layers"])
+    if family == "gpt_oss":
+        fields |= _gguf_gpt_oss(arch_field, tensors, fields["num_layers"])
     if family == "phi3":
         fields |= _gguf_phi3(arch_field, tensors)
     elif family == "gemma3":
@@ -202,7 +206,7 @@ def _gguf_experts(family: str, arch_field, tensors: dict, layers: int) -> dict:
     experts' width is expert_feed_forward_length (Mixtral's: feed_forward_length); the top-k is
     renormalised unless expert_weights_norm says otherwise (llama.cpp renormalises both
     families'); a layer without a router keeps a dense MLP."""
-    if family not in ("llama", "qwen3_moe"):
+    if family not in ("llama", "qwen3_moe", "gpt_oss"):
         raise ValueError(f"{family} GGUF files with experts are not supported")
     if int(arch_field("expert_shared_count", 0)):
         raise ValueError("shared experts are not supported")
@@ -216,6 +220,29 @@ def _gguf_experts(family: str, arch_field, tensors: dict, layers: int) -> dict:
         expert_intermediate_size=int(width),
         norm_topk_prob=bool(arch_field("expert_weights_norm", True)),
         dense_layers=tuple(i for i in range(layers) if f"blk.{i}.{_GGUF_ROUTER}.weight" not in tensors),
+    )
+
+
+_GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss: the file carries neither limit nor alpha
+
+
+def _gguf_gpt_oss(arch_field, tensors: dict, layers: int) -> dict:
+    """gpt-oss as llama.cpp reads it: every other layer slides (the even ones) over
+    attention.sliding_window keys, sinks, biases, the clamped SwiGLU, and YaRN from
+    rope.scaling.*, whose correction range llama.cpp truncates to whole pairs."""
+    window = int(arch_field("attention.sliding_window"))
+    kind = arch_field("rope.scaling.type", "none")
+    if kind not in ("none", "yarn"):
+        raise ValueError(f"gpt-oss: rope scaling {kind!r} is not supported (supported: yarn)")
+    scaling = None
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(arch_field("rope.scaling.factor")), "truncate": True,
+                   "original_max_position_embeddings": int(arch_field("rope.scaling.original_context_length"))}
+    return dict(
+        sliding_window=window, layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                                 for i in range(layers)),
+        output_bias="blk.0.attn_output.bias" in tensors, attention_sinks=True, expert_bias=True,
+        swiglu_limit=_GPT_OSS_SWIGLU_LIMIT, rope_scaling=scaling,
     )
 
 
@@ -327,8 +354,8 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
         shape = tuple(int(x) for x in reversed(t.shape))  # ggml ne order is reversed
         parts = t.name.split(".")
         linear = parts[0] == "blk" and len(parts) > 3 and parts[2] in _GGUF_LINEAR and parts[3] == "weight"
-        if linear and parts[2] in _GGUF_EXPERTS:
-            yield from _gguf_experts_of(t, shape, int(parts[1]), _GGUF_EXPERTS[parts[2]], kept, warned)
+        if parts[0] == "blk" and len(parts) > 3 and parts[2] in _GGUF_EXPERTS:  # gpt-oss's biases too
+            yield from _gguf_experts_of(t, shape, int(parts[1]), _GGUF_EXPERTS[parts[2]] + "." + parts[3], kept, warned)
             continue
         if linear and t.tensor_type in kept:
             blocks = parse_gguf_blocks(t.data, kept[t.tensor_type], *shape)
@@ -357,16 +384,17 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
 
 def _gguf_experts_of(t, shape: tuple[int, ...], layer: int, name: str, kept: dict,
                      warned: set[str]) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
-    """A stacked expert tensor [experts, out, in], expert by expert under HF's names: a kept
-    quantized type as its blocks, anything else as float32."""
+    """A stacked expert tensor [experts, out, in] (or its bias [experts, out]), expert by expert
+    under HF's names (``name``: with "{e}" for the expert): a kept quantized type as its blocks,
+    anything else as float32."""
     import gguf
 
-    experts, rows, cols = shape
     if t.tensor_type in kept:
+        experts, rows, cols = shape
         blocks = parse_gguf_blocks(np.asarray(t.data).reshape(experts * rows, -1), kept[t.tensor_type],
                                    experts * rows, cols)
         for e in range(experts):
-            yield f"model.layers.{layer}.{name.format(e=e)}.weight", blocks.rows(slice(e * rows, (e + 1) * rows))
+            yield f"model.layers.{layer}.{name.format(e=e)}", blocks.rows(slice(e * rows, (e + 1) * rows))
         return
     data = t.data
     if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -376,5 +404,5 @@ def _gguf_experts_of(t, shape: tuple[int, ...], layer: int, name: str, kept: dic
                            "Q4_1 and Q4_K stay quantized", t.tensor_type.name, t.name)
         data = gguf.quants.dequantize(data, t.tensor_type)
     arr = np.asarray(data, dtype=np.float32).reshape(shape)
-    for e in range(experts):
-        yield f"model.layers.{layer}.{name.format(e=e)}.weight", torch.from_numpy(np.array(arr[e]))
+    for e in range(shape[0]):
+        yield f"model.layers.{layer}.{name.format(e=e)}", torch.from_numpy(np.array(arr[e]))

@@ -45,6 +45,11 @@ class Expert(nn.Module):
         self.down_bias = param(hidden, dtype=dtype) if bias else None
 
 
+# Rows of one expert up to which bf16 experts stream through the native call rather than the GEMM
+# library (docs/benchmarks.md: the MoE rows).
+EXPERT_STREAMING_ROWS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertStack:
     """Expert e's gate/up and down projections as linear layers 2e and 2e + 1, each three
@@ -71,8 +76,13 @@ class ExpertStack:
         return ExpertStack(tensors, ints, frozenset(kinds))
 
     def covers(self, ops: TorchOps, rows: int) -> bool:
-        """Whether ops.linear would stream every expert's weights at this many rows."""
-        return all(rows <= ops.streaming_rows(q, int8) for q, int8 in self.row_kinds)
+        """Whether the native call serves a step whose busiest expert has ``rows`` rows: bf16
+        experts stream through small_m_linear's tiles (in slices of the rows they take) up to
+        EXPERT_STREAMING_ROWS rows, where the GEMM library's cost per call outweighs
+        re-reading an expert's weights from cache; int8/int4 ones up to their integer kernels'
+        rows (ops.streaming_rows)."""
+        return all(rows <= (ops.streaming_rows(q, int8) if q else EXPERT_STREAMING_ROWS * bool(ops.streaming_rows(q)))
+                   for q, int8 in self.row_kinds)
 
 
 class SparseMoE(nn.Module):
@@ -117,7 +127,9 @@ class SparseMoE(nn.Module):
         t, hidden = x.shape
         experts, weights = self.route(x)
         stack = self.expert_stack()
-        out = None if stack is None else self.ops.moe_experts(x, experts, stack)
+        out = None
+        if stack is not None and stack.covers(self.ops, int(torch.bincount(experts.flatten()).max())):
+            out = self.ops.moe_experts(x, experts, stack)
         if out is None:
             out = self._grouped(x, experts)
         weighted = out.view(t, self.top_k, hidden) * weights.unsqueeze(-1)

@@ -59,9 +59,9 @@ class TorchOps:
         return 0
 
     def moe_experts(self, x: torch.Tensor, experts: torch.Tensor, stack) -> torch.Tensor | None:
-        """A mixture's experts in one call (``stack``: a model/moe.ExpertStack), or None where
-        the ops have no such kernel for these rows: every (token, expert) pair's MLP output,
-        [T * k, hidden]."""
+        """A mixture's experts in one call (``stack``: a model/moe.ExpertStack, which covers
+        the step's rows), or None where the ops have no such kernel: every (token, expert)
+        pair's MLP output, [T * k, hidden]."""
         return None
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -166,7 +166,7 @@ class NativeOps(TorchOps):
         return self._linear.streaming_rows(quantized, int8)
 
     def moe_experts(self, x, experts, stack):
-        if not hasattr(self._ops, "moe_experts") or not stack.covers(self, x.shape[0]):
+        if not hasattr(self._ops, "moe_experts"):
             return None
         return self._ops.moe_experts(x.contiguous(), experts, stack.linear_tensors, stack.linear_ints)
 

@@ -20,6 +20,7 @@
 #include "small_m_tiles.h"
 #include "streaming_linear.h"
 
+#include <algorithm>
 #include <vector>
 
 #if defined(__AVX512BF16__) || defined(TRAVELATOR_VEC8)
@@ -36,7 +37,10 @@ struct Group {
 };
 
 // y[first .. first + rows) = x[first .. first + rows) W_e^T for every group, W_e [N, K]:
-// tasks of 64 output rows of one expert, all in one parallel loop.
+// tasks of 64 output rows of one expert, all in one parallel loop; a group of more rows than a
+// tile takes goes through in slices of them, the task's weight rows still in cache. Each row's
+// sums run in the tile's order whatever the slice: a token's numbers never depend on which
+// others chose its expert.
 void pass(const std::vector<Group>& groups, const std::vector<sm::XRow>& x, const std::vector<at::Tensor>& weights,
           c10::BFloat16* y, int64_t K, int64_t N) {
   const int64_t chunks = (N + sm::kChunk - 1) / sm::kChunk;
@@ -44,7 +48,10 @@ void pass(const std::vector<Group>& groups, const std::vector<sm::XRow>& x, cons
     for (int64_t task = begin; task < end; ++task) {
       const Group& g = groups[task / chunks];
       const auto* w = weights[g.expert].data_ptr<c10::BFloat16>();
-      sm::chunk(x.data() + g.first * K, w, y + g.first * N, g.rows, K, N, task % chunks);
+      for (int64_t r = g.first; r < g.first + g.rows; r += sm::kMaxRows) {
+        const int64_t m = std::min(sm::kMaxRows, g.first + g.rows - r);
+        sm::chunk(x.data() + r * K, w, y + r * N, m, K, N, task % chunks);
+      }
     }
   });
 }
@@ -126,7 +133,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const c10
   const std::vector<Group> groups = group_pairs(experts, E, order);
   const int64_t P = static_cast<int64_t>(order.size());
   at::Tensor sorted;
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= sm::kMaxRows && all_small_m(tensors, ints)) {
+  if (x.scalar_type() == at::kBFloat16 && all_small_m(tensors, ints)) {
     std::vector<at::Tensor> w1, w2;
     for (int64_t e = 0; e < E; ++e) {
       w1.push_back(*tensors.get(6 * e));
