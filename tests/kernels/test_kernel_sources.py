@@ -26,9 +26,13 @@ def test_the_linear_routes_are_the_headers():
 
 
 def test_the_layer_stack_reads_the_routes_from_the_header():
-    text = (CSRC / "layer_stack.cpp").read_text()
-    assert '#include "linear_route.h"' in text
-    assert "enum Route" not in text
+    """The routed linear layer (streaming_linear.h, which the layer stack and the experts call
+    include) takes its route numbers from linear_route.h, not from a copy."""
+    assert '#include "linear_route.h"' in (CSRC / "streaming_linear.h").read_text()
+    for name in ("layer_stack.cpp", "moe_experts.cpp"):
+        text = (CSRC / name).read_text()
+        assert '#include "streaming_linear.h"' in text
+        assert "enum Route" not in text
 
 
 def test_every_source_is_built_and_in_the_build_key():
