@@ -97,7 +97,7 @@ def test_quantized_experts(method, kernel_set, tmp_path):
             weight = getattr(theirs, name)
             assert not isinstance(weight, torch.Tensor)
             rows = torch.eye(weight.shape[1])
-            setattr(mine, name, torch.nn.Parameter(quantized_linear(rows, weight, None).T.contiguous()))
+            setattr(mine, name, torch.nn.Parameter(quantized_linear(rows, weight, None).T.contiguous(), requires_grad=False))
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2))
     want = per_token(dequantized, x, moe.top_k, True)
     torch.testing.assert_close(moe(x).double(), want, atol=1e-3 * float(want.abs().max()), rtol=0)
