@@ -151,3 +151,17 @@ def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
     model, else float32)."""
     logits = model(torch.tensor([tokens])).logits[0]
     return torch.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+
+
+def assert_greedy_matches(llm, ref, prompts: list[list[int]], max_tokens: int, abs_logprob: float) -> None:
+    """``llm``'s greedy tokens for each prompt alone are transformers' (``ref``), and each chosen
+    token's logprob is within ``abs_logprob`` of transformers' on the same tokens."""
+    from travelator import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        out = result.outputs[0]
+        assert out.token_ids == reference_greedy(ref, prompt, max_tokens)
+        want = reference_logprobs(ref, prompt + out.token_ids)
+        for i, lp in enumerate(out.logprobs):
+            assert abs(lp.logprob - float(want[len(prompt) - 1 + i][lp.token_id])) <= abs_logprob, (i, lp)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gguf_files import VOCAB, add_shape, add_tensors, add_vocab, finish
-from hf_models import build_checkpoint, load_reference, randomize, reference_greedy, reference_logprobs
-from travelator import LLM, SamplingParams
+from hf_models import assert_greedy_matches, build_checkpoint, load_reference, randomize
+from travelator import LLM
 
 def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     """An F32 GGUF of the checkpoint, as llama.cpp's converter lays out Qwen2/Qwen3 (Q/K rows in
@@ -75,14 +75,7 @@ def test_travelator_on_the_gguf_matches_transformers(model, kernels):
     assert llm.engine.arch.family == arch
     assert llm.engine.arch.qk_norm == (arch == "qwen3")
     assert llm.engine.arch.attention_bias == (arch == "qwen2")
-    prompts = [[1, 7, 99, 250, 3, 18, 42], [1] + list(range(40, 90))]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        out = result.outputs[0]
-        assert out.token_ids == reference_greedy(ref, prompt, 10)
-        want = reference_logprobs(ref, prompt + out.token_ids)
-        for i, lp in enumerate(out.logprobs):
-            assert lp.logprob == pytest.approx(float(want[len(prompt) - 1 + i][lp.token_id]), abs=2e-4)
+    assert_greedy_matches(llm, ref, [[1, 7, 99, 250, 3, 18, 42], [1] + list(range(40, 90))], 10, 2e-4)
 
 
 def test_an_unknown_gguf_architecture_is_named(tmp_path):

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from gguf_files import VOCAB, add_shape, add_vocab, finish
-from hf_models import build_checkpoint, gpt_oss_overrides, load_reference, randomize, reference_greedy, reference_logprobs
+from hf_models import (assert_greedy_matches, build_checkpoint, gpt_oss_overrides, load_reference, randomize,
+                       reference_logprobs)
 from travelator import LLM, SamplingParams
 
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
@@ -89,13 +90,7 @@ def test_travelator_on_the_gguf_matches_transformers(checkpoint, kernels):
     arch = llm.engine.arch
     assert (arch.family, arch.attention_sinks, arch.expert_bias, arch.output_bias) == ("gpt_oss", True, True, True)
     assert arch.layer_types == ("sliding_attention", "full_attention") * 2
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
-        out = result.outputs[0]
-        assert out.token_ids == reference_greedy(ref, prompt, 10)
-        lp = reference_logprobs(ref, prompt + out.token_ids)
-        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-            assert entry.logprob == pytest.approx(float(lp[len(prompt) - 1 + i, token]), abs=1e-4)
+    assert_greedy_matches(llm, ref, PROMPTS, 10, 1e-4)
 
 
 def test_mxfp4_experts_run_the_model_they_hold(checkpoint):

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from gguf_files import VOCAB, add_shape, add_vocab, finish
-from hf_models import (build_checkpoint, load_reference, mixtral_overrides, qwen3_moe_overrides, randomize,
-                       reference_greedy, reference_logprobs)
+from hf_models import (assert_greedy_matches, build_checkpoint, load_reference, mixtral_overrides,
+                       qwen3_moe_overrides, randomize, reference_logprobs)
 from travelator import LLM, SamplingParams
 
 PROJECTIONS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
@@ -110,13 +110,7 @@ def test_travelator_on_the_gguf_matches_transformers(model, kernels):
     assert (arch.family, arch.num_experts, arch.experts_per_token, arch.expert_intermediate_size) == (
         family, hf_arch.num_experts, hf_arch.experts_per_token, hf_arch.expert_intermediate_size)
     assert arch.norm_topk_prob and arch.dense_layers == hf_arch.dense_layers
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
-        out = result.outputs[0]
-        assert out.token_ids == reference_greedy(ref, prompt, 10)
-        lp = reference_logprobs(ref, prompt + out.token_ids)
-        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-            assert entry.logprob == pytest.approx(float(lp[len(prompt) - 1 + i, token]), abs=1e-4)
+    assert_greedy_matches(llm, ref, PROMPTS, 10, 1e-4)
 
 
 def dequantized_reference(ref, path: Path, family: str):
