@@ -2,7 +2,7 @@
 projection's experts stacked in one tensor, the router as ffn_gate_inp; Mixtral as a llama file
 with experts and Q/K rows permuted for its rope), against transformers on the HF checkpoint
 they came from. transformers' own GGUF reader checks the Qwen3-MoE writer (it reads no Mixtral
-GGUF); a file of Q4_0 experts keeps them 4-bit and runs the model they hold."""
+GGUF); a file of Q4_0 or MXFP4 experts keeps them 4-bit and runs the model they hold."""
 
 from __future__ import annotations
 
@@ -139,10 +139,11 @@ def dequantized_reference(ref, path: Path, family: str):
     return model
 
 
+@pytest.mark.parametrize("quant", ["Q4_0", "MXFP4"])
 @pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_quantized_experts_stay_quantized_and_match_their_dequantized_model(model, tmp_path, kernels):
+def test_quantized_experts_stay_quantized_and_match_their_dequantized_model(model, tmp_path, kernels, quant):
     family, hf_dir, _, ref = model
-    path = write_gguf(hf_dir, tmp_path / "q.gguf", family, quant=gguf.GGMLQuantizationType.Q4_0)
+    path = write_gguf(hf_dir, tmp_path / "q.gguf", family, quant=getattr(gguf.GGMLQuantizationType, quant))
     llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels)
     moe = next(layer.mlp for layer in llm.engine.runner.model.layers if hasattr(layer.mlp, "experts"))
     assert not isinstance(moe.experts[0].gate_up_weight, torch.Tensor)  # kept as its blocks

@@ -19,7 +19,14 @@ from travelator import LLM, SamplingParams
 from travelator.model import kv_layout
 from travelator.model.attention import build_metadata
 from travelator.model.gguf_requantize import requantize_gguf
-from travelator.model.quant import Int4Weight, Int8Weight, QuantizedBuilder, parse_gguf_blocks, quantize
+from travelator.model.quant import (
+    Int4Weight,
+    Int8Weight,
+    QuantizedBuilder,
+    mxfp4_blocks,
+    parse_gguf_blocks,
+    quantize,
+)
 
 
 def _x(rows: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -159,7 +166,7 @@ def test_random_50m_model_quantized_stays_close_and_takes_less_memory():
 
 
 # ---- GGUF files kept quantized ---------------------------------------------------------------
-GGUF_KINDS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+GGUF_KINDS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "mxfp4": "MXFP4"}
 
 
 @pytest.mark.parametrize("kind", list(GGUF_KINDS))
@@ -172,8 +179,8 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_own_dequantization(kind):
     blocks = parse_gguf_blocks(raw, kind, 16, 128)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(16, 128))
     assert torch.allclose(blocks.dequantize(), reference, rtol=0, atol=1e-6)
-    if kind != "q8_0":  # Q4 blocks go into the int4 kernel exactly as they are
-        builder = QuantizedBuilder((16, 128), "int4", 32)
+    if kind != "q8_0":  # 4-bit blocks go into the int4 kernel exactly as they are
+        builder = QuantizedBuilder((16, 128), "int4", 32, blocks.codebook)
         builder.write_blocks(0, blocks)
         assert torch.allclose(builder.finish().dequantize(), reference, rtol=0, atol=1e-5)
 
@@ -335,6 +342,20 @@ def _native_ops(batch_invariant: bool = False):
     return ops
 
 
+# fp4 (e2m1): sign, 2 exponent bits, 1 mantissa bit (OCP microscaling formats, v1.0).
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                   dtype=torch.float64)
+
+
+def _mxfp4_weight(codes: torch.Tensor, exponents: torch.Tensor):
+    """An MXFP4 weight kept 4-bit, and the float64 weight it holds by the format's definition."""
+    blocks = mxfp4_blocks(codes, exponents)
+    builder = QuantizedBuilder(tuple(codes.shape), "int4", 32, "e2m1")
+    builder.write_blocks(0, blocks)
+    weight = FP4[codes.long()] * torch.exp2(exponents.double() - 127).repeat_interleave(32, dim=1)
+    return builder.finish(), weight
+
+
 def _reference_weight(q) -> torch.Tensor:
     """The float64 weight a quantized one stands for, from its codes and scales by the formulas
     (not by the kernels' own dequantization)."""
@@ -364,25 +385,32 @@ def _integer_form(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 # 7 rows: tiles of 4, 2 and 1 rows on AVX2; the last: dequantized into the GEMM.
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, "past the kernel"])
 @pytest.mark.parametrize("method,k,group", [("int8", 1024, 0), ("int8", 200, 0), ("int4", 256, 32),
-                                            ("int4", 1024, 128), ("int4", 512, 256)])
+                                            ("int4", 1024, 128), ("int4", 512, 256), ("mxfp4", 512, 32)])
 def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k, group, rows, dtype):
     """The engine's integer kernel (``quant_linear.cpp``; 200 inputs: a padded block of x) and
-    its dequantizing path, against x @ w^T in float64. 136 outputs: a partial tile. One large
-    input lies in every row, as real activations have: x's integer form must keep the small
-    ones. The kernel's rows: within half a step of x's integer form per input (its designed
-    error), and to float32 rounding of the product of that integer form."""
+    its dequantizing path, against x @ w^T in float64 (MXFP4: the weight by the format's own
+    definition). 136 outputs: a partial tile. One large input lies in every row, as real
+    activations have: x's integer form must keep the small ones. The kernel's rows: within half
+    a step of x's integer form per input (its designed error), and to float32 rounding of the
+    product of that integer form."""
     ops = _native_ops()
     kernel = rows != "past the kernel"
     if not kernel:
         rows = ops.quant_kernel_rows + 8
-    w = torch.randn(136, k, generator=torch.Generator().manual_seed(2)) * 0.02
-    q = quantize(w, method, group) if method == "int4" else quantize(w, method)
+    g = torch.Generator().manual_seed(2)
+    if method == "mxfp4":
+        q, weight = _mxfp4_weight(torch.randint(0, 16, (136, k), generator=g),
+                                  torch.randint(118, 124, (136, k // 32), generator=g))
+        assert ops.linear_route(q).name == "INT4_FP4"
+    else:
+        w = torch.randn(136, k, generator=g) * 0.02
+        q = quantize(w, method, group) if method == "int4" else quantize(w, method)
+        weight = _reference_weight(q)
     x = _x(rows, k, torch.float32)
     x[:, 7] = 30.0
     x = x.to(dtype)
     got = ops.linear(x, q)
     assert got.dtype == dtype and got.shape == (rows, 136)
-    weight = _reference_weight(q)
     ref = x.double() @ weight.T
     # bf16 output: its own rounding (2^-9 of each value) is the bound.
     tol = 8e-3 if dtype == torch.bfloat16 else 1e-5
@@ -397,6 +425,33 @@ def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k,
         assert ((got.double() - ref).abs() <= bound * 1.01 + tol * ref.abs()).all()
     else:
         assert torch.allclose(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_mxfp4_codes_at_their_largest_levels_are_exact():
+    """The e2m1 codes of +6 and -6 (levels 24 and 0, the widest the kernel's unsigned bytes
+    take) against x of magnitude 1 (its own integer form): the AVX2 kernel's int16 pair sums
+    reach their largest; the result is the float64 product to float32 rounding."""
+    ops = _native_ops()
+    g = torch.Generator().manual_seed(6)
+    codes = torch.where(torch.rand(136, 1024, generator=g) < 0.5, 7, 15)
+    codes[0], codes[1] = 7, 15
+    q, weight = _mxfp4_weight(codes, torch.full((136, 32), 120))
+    x = torch.randint(0, 2, (5, 1024), generator=g).float() * 2 - 1
+    x[0] = 1.0
+    ref = x.double() @ weight.T
+    got = ops.linear(x, q)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_mxfp4_weights_take_no_float_rows_and_a_bad_codebook_is_refused():
+    builder = QuantizedBuilder((64, 64), "int4", 32, "e2m1")
+    with pytest.raises(ValueError, match="float rows"):
+        builder.write_rows(0, torch.zeros(64, 64))
+    ops = _native_ops()
+    q, _ = _mxfp4_weight(torch.zeros(64, 64, dtype=torch.long), torch.full((64, 2), 127))
+    with pytest.raises(RuntimeError, match="codebook"):
+        torch.ops.travelator.quant_linear_int4(torch.zeros(1, 64), q.packed, q.scales_zeros, 32, 64, 2)
+    assert ops.linear(torch.zeros(1, 64), q).abs().sum() == 0
 
 
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 256)])

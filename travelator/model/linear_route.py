@@ -22,10 +22,12 @@ class LinearRoute(IntEnum):
     # bf16 weight with a oneDNN-packed float32 copy (no bf16 GEMM on this CPU; a few rows
     # stream as ONEDNN_BF16), or a float32 weight with its packed copy.
     ONEDNN_FLOAT32 = 4
+    # int4 weight whose codes are e2m1 (MXFP4): as INT4, the codes through their fp4 levels.
+    INT4_FP4 = 5
 
     @property
     def quantized(self) -> bool:
-        return self in (LinearRoute.INT8, LinearRoute.INT4)
+        return self in (LinearRoute.INT8, LinearRoute.INT4, LinearRoute.INT4_FP4)
 
     @property
     def onednn(self) -> bool:

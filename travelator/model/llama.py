@@ -239,7 +239,7 @@ class LlamaModel(nn.Module):
             local_shape = tuple(param.shape)
             fmt = self.quant_policy.for_checkpoint(target, tensor, local_shape, earlier_parts)
             if fmt is not None:
-                builder = builders[target] = QuantizedBuilder(local_shape, fmt.method, fmt.group_size)
+                builder = builders[target] = QuantizedBuilder(local_shape, fmt.method, fmt.group_size, fmt.codebook)
         if isinstance(tensor, BlockQuantized) and builder is None:
             tensor = tensor.dequantize()
         row0 = shard.local_offset(part, size) if part is not None else 0

@@ -334,7 +334,7 @@ def _gguf_float_name(gguf_name: str, names: dict[str, str]) -> str:
 
 def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
     """The file's tensors under HF names, as float32 tensors; a linear layer's Q8_0, Q6_K,
-    Q4_0, Q4_1 or Q4_K tensor as its blocks (``BlockQuantized``), for the model to keep
+    Q4_0, Q4_1, Q4_K or MXFP4 tensor as its blocks (``BlockQuantized``), for the model to keep
     quantized or to dequantize (``LlamaModel.load_weights``). Other quantized types are
     dequantized here."""
     import gguf
@@ -346,7 +346,8 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
     norm_offset = 1.0 if arch.norm_unit_offset else 0.0
 
     kinds = gguf.GGMLQuantizationType
-    kept = {kinds.Q8_0: "q8_0", kinds.Q6_K: "q6_k", kinds.Q4_0: "q4_0", kinds.Q4_1: "q4_1", kinds.Q4_K: "q4_k"}
+    kept = {kinds.Q8_0: "q8_0", kinds.Q6_K: "q6_k", kinds.Q4_0: "q4_0", kinds.Q4_1: "q4_1", kinds.Q4_K: "q4_k",
+            kinds.MXFP4: "mxfp4"}
     warned: set[str] = set()
     for t in reader.tensors:
         if t.name in _GGUF_ROPE_FACTORS:
@@ -371,7 +372,7 @@ def _iter_gguf(reader, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor | Bl
             if linear and t.tensor_type.name not in warned:
                 warned.add(t.tensor_type.name)
                 logger.warning("GGUF %s tensors (like %s) are dequantized at load: only Q8_0, Q6_K, Q4_0, "
-                               "Q4_1 and Q4_K stay quantized", t.tensor_type.name, t.name)
+                               "Q4_1, Q4_K and MXFP4 stay quantized", t.tensor_type.name, t.name)
             data = gguf.quants.dequantize(data, t.tensor_type)
         arr = np.asarray(data, dtype=np.float32).reshape(shape)
         name = _gguf_float_name(t.name, names)
@@ -401,7 +402,7 @@ def _gguf_experts_of(t, shape: tuple[int, ...], layer: int, name: str, kept: dic
         if t.tensor_type.name not in warned:
             warned.add(t.tensor_type.name)
             logger.warning("GGUF %s tensors (like %s) are dequantized at load: only Q8_0, Q6_K, Q4_0, "
-                           "Q4_1 and Q4_K stay quantized", t.tensor_type.name, t.name)
+                           "Q4_1, Q4_K and MXFP4 stay quantized", t.tensor_type.name, t.name)
         data = gguf.quants.dequantize(data, t.tensor_type)
     arr = np.asarray(data, dtype=np.float32).reshape(shape)
     for e in range(shape[0]):

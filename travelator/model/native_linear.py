@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from travelator.model.linear_route import LinearRoute
 from travelator.model.quant import (
+    CODEBOOKS,
     QUANT_KERNEL_ROWS,
     QUANT_KERNEL_ROWS_FLOAT32_GEMM,
     TILE_ROWS,
@@ -151,7 +152,7 @@ class NativeLinear:
     def route(self, weight: torch.Tensor | QuantizedWeight) -> LinearRoute | None:
         """The weight's route; None for a weight that runs as loaded, through F.linear."""
         if not isinstance(weight, torch.Tensor):
-            return LinearRoute.INT8 if isinstance(weight, Int8Weight) else LinearRoute.INT4
+            return _quantized_route(weight)
         prepared = self._prepared.get(weight)
         return None if prepared is None else prepared.route
 
@@ -181,8 +182,8 @@ class NativeLinear:
                 return None
             if isinstance(weight, Int8Weight):
                 return StreamingLinear(LinearRoute.INT8, weight.packed, weight.scales, bias, 0, weight.out_features)
-            return StreamingLinear(LinearRoute.INT4, weight.packed, weight.scales_zeros, bias, weight.group_size,
-                                   weight.out_features)
+            return StreamingLinear(_quantized_route(weight), weight.packed, weight.scales_zeros, bias,
+                                   weight.group_size, weight.out_features)
         prepared = self._prepared.get(weight)
         if prepared is None or not self._small_m_built or weight.dtype != torch.bfloat16:
             return None  # small_m_linear streams bf16 weights only
@@ -238,7 +239,7 @@ class NativeLinear:
         if isinstance(weight, Int8Weight):
             return self._ops.quant_linear_int8(rows, weight.packed, weight.scales, weight.out_features)
         return self._ops.quant_linear_int4(rows, weight.packed, weight.scales_zeros, weight.group_size,
-                                           weight.out_features)
+                                           weight.out_features, CODEBOOKS.index(weight.codebook))
 
     def _dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -258,12 +259,18 @@ class NativeLinear:
                 self._ops.quant_dequantize_int8(weight.packed[t0:t1], weight.scales[t0 * TILE_ROWS:t1 * TILE_ROWS], w_t)
             else:
                 self._ops.quant_dequantize_int4(weight.packed[t0:t1], weight.scales_zeros[t0:t1], weight.group_size,
-                                                w_t)
+                                                w_t, CODEBOOKS.index(weight.codebook))
             n0, n1 = t0 * TILE_ROWS, min(weight.out_features, t1 * TILE_ROWS)
             out[:, n0:n1] = rows @ w_t[: weight.in_features, : n1 - n0]
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _quantized_route(weight: QuantizedWeight) -> LinearRoute:
+    if isinstance(weight, Int8Weight):
+        return LinearRoute.INT8
+    return LinearRoute.INT4_FP4 if weight.codebook == "e2m1" else LinearRoute.INT4
 
 
 def _w8a8_fits(weight: QuantizedWeight) -> bool:

@@ -11,7 +11,9 @@ where there is no bf16 GEMM). On CPUs without a bf16 GEMM, int8 layers take the 
 - int8: ``w[n, k] ~ q[n, k] * scale[n]``, q in [-127, 127], scale = max |w[n, :]| / 127.
 - int4: per group of ``group_size`` inputs, ``w ~ (q - 8) * scale + zero`` with q in [0, 15]
   (asymmetric: scale = (max - min) / 15, zero = min + 8 * scale), which also takes GGUF's Q4_0
-  (zero 0) and Q4_1 blocks as they are.
+  (zero 0) and Q4_1 blocks as they are; or, with the ``e2m1`` codebook (MXFP4 checkpoints,
+  kept 4-bit), ``w = (level(q) - 8) * scale + zero`` with the code's fp4 level (``E2M1_LEVELS``:
+  twice its value plus 12), scale half the block's power of two and zero = -4 * scale.
 
 Layout (both): output rows in tiles of 64, padded; within a tile, for each step of inputs, 4
 vectors of 16 rows whose 32-bit lanes hold consecutive inputs of one row.
@@ -33,6 +35,13 @@ import torch
 import torch.nn.functional as F
 
 QuantMethod = Literal["int8", "int4"]
+# What an int4 weight's codes stand for; a codebook's index is the kernels' ``codebook`` argument.
+Codebook = Literal["uniform", "e2m1"]
+CODEBOOKS: tuple[Codebook, ...] = ("uniform", "e2m1")
+# e2m1 (fp4) codes: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated; as levels, 2 * value + 12
+# (csrc/quant_common.h holds the same table).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_LEVELS = tuple(int(2 * v + 12) for v in E2M1_VALUES)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 TILE_ROWS = 64  # output rows of one tile of the packed layouts
 INT8_K_BLOCK = 128  # int8 inputs are padded to a multiple of this (the kernel's blocks of x)
@@ -97,6 +106,7 @@ class Int4Weight:
     group_size: int
     out_features: int
     in_features: int
+    codebook: Codebook = "uniform"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -126,7 +136,7 @@ class Int4Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight it stands for."""
         scale, zero = self.group_params()
-        q = self.codes().reshape(self.out_features, -1, self.group_size).float()
+        q = int4_levels(self.codes(), self.codebook).reshape(self.out_features, -1, self.group_size)
         w = (q - 8) * scale[..., None] + zero[..., None]
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
@@ -136,6 +146,13 @@ class Int4Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+
+
+def int4_levels(codes: torch.Tensor, codebook: Codebook) -> torch.Tensor:
+    """The float32 levels of 4-bit codes (uint8 in [0, 15]) in ``codebook``."""
+    if codebook == "uniform":
+        return codes.float()
+    return torch.tensor(E2M1_LEVELS, dtype=torch.float32)[codes.long()]
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -187,7 +204,8 @@ def quantize_int4_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return q.reshape(out_f, in_f), scale, lo + 8 * scale
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              codebook: Codebook = "uniform") -> Int4Weight:
     """Codes uint8 [out, in] in [0, 15], scale and zero [out, in / group] into the kernel's layout."""
     out_f, in_f = q.shape
     n, groups = _padded(out_f, TILE_ROWS), in_f // group_size
@@ -198,7 +216,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
     sz = torch.zeros(n, groups, 2)  # padding rows: scale 0, zero 0
     sz[:out_f, :, 0], sz[:out_f, :, 1] = scale.float(), zero.float()
     scales_zeros = sz.reshape(n // TILE_ROWS, TILE_ROWS, groups, 2).permute(0, 2, 3, 1)
-    return Int4Weight(packed.contiguous(), scales_zeros.contiguous(), group_size, out_f, in_f)
+    return Int4Weight(packed.contiguous(), scales_zeros.contiguous(), group_size, out_f, in_f, codebook)
 
 
 def quantize(w: torch.Tensor, method: QuantMethod, group_size: int = 128) -> QuantizedWeight:
@@ -210,9 +228,11 @@ def quantize(w: torch.Tensor, method: QuantMethod, group_size: int = 128) -> Qua
 
 class QuantizedBuilder:
     """A quantized weight filled row block by row block (the parts of a fused weight, or a
-    rank's shard), packed once every row is in."""
+    rank's shard), packed once every row is in. An e2m1 one takes MXFP4 blocks only: floats are
+    never quantized into fp4 here."""
 
-    def __init__(self, shape: tuple[int, int], method: QuantMethod, group_size: int) -> None:
+    def __init__(self, shape: tuple[int, int], method: QuantMethod, group_size: int,
+                 codebook: Codebook = "uniform") -> None:
         out_f, in_f = shape
         if method == "int4":
             check_int4_shape(out_f, in_f, group_size)
@@ -225,10 +245,14 @@ class QuantizedBuilder:
             self.scale = torch.empty(out_f)
         else:
             raise ValueError(f"unknown quantization {method!r}; use int8 or int4")
-        self.method, self.group_size = method, group_size
+        if codebook != "uniform" and (method != "int4" or group_size != GGUF_BLOCK):
+            raise ValueError(f"{codebook} weights are int4 in groups of {GGUF_BLOCK}")
+        self.method, self.group_size, self.codebook = method, group_size, codebook
         self.rows_written = 0
 
     def write_rows(self, start: int, rows: torch.Tensor) -> None:
+        if self.codebook != "uniform":
+            raise ValueError(f"float rows cannot join a weight of {self.codebook} blocks")
         n = rows.shape[0]
         if self.method == "int8":
             q, scale = quantize_int8_rows(rows)
@@ -245,7 +269,8 @@ class QuantizedBuilder:
         requantization, error at most half a step); any other pairing (say the Q6_K V rows of
         a QKV weight whose Q rows were Q4_K, as Q4_K_M files mix them) through float."""
         n = rows.shape[0]
-        if self.method == "int4" and rows.method == "int4" and self.group_size == GGUF_BLOCK:
+        if (self.method == "int4" and rows.method == "int4" and self.group_size == GGUF_BLOCK
+                and rows.codebook == self.codebook):
             self.q[start:start + n] = rows.codes
             self.scale[start:start + n] = rows.scale
             self.zero[start:start + n] = rows.zero
@@ -262,7 +287,7 @@ class QuantizedBuilder:
             raise ValueError(f"{self.rows_written} of {self.q.shape[0]} rows were written")
         if self.method == "int8":
             return pack_int8(self.q, self.scale)
-        return pack_int4(self.q, self.scale, self.zero, self.group_size)
+        return pack_int4(self.q, self.scale, self.zero, self.group_size, self.codebook)
 
 
 # ---- GGUF blocks kept quantized -----------------------------------------------------------
@@ -273,13 +298,14 @@ _INT8_KINDS = ("q8_0", "q6_k")  # into int8 (their block scales folded into one 
 
 @dataclass(slots=True)
 class BlockQuantized:
-    """A GGUF tensor's Q8_0, Q6_K, Q4_0, Q4_1 or Q4_K blocks, unpacked but not dequantized:
-    codes and, per block of inputs, a scale (and for the 4-bit kinds the int4 layout's zero
-    point). Q4_K's sub-blocks of 32 are int4 groups as they are; Q6_K's 16-input blocks go
-    into int8 per channel."""
+    """A GGUF tensor's Q8_0, Q6_K, Q4_0, Q4_1, Q4_K or MXFP4 blocks (or an MXFP4 checkpoint's),
+    unpacked but not dequantized: codes and, per block of inputs, a scale (and for the 4-bit
+    kinds the int4 layout's zero point). Q4_K's sub-blocks of 32 are int4 groups as they are,
+    MXFP4's blocks e2m1 ones; Q6_K's 16-input blocks go into int8 per channel."""
 
-    kind: str  # "q8_0", "q6_k", "q4_0", "q4_1" or "q4_k"
-    codes: torch.Tensor  # int8 (q8_0, q6_k: w = code * scale) or uint8 in [0, 15] (q4: w = (code - 8) * scale + zero)
+    kind: str  # "q8_0", "q6_k", "q4_0", "q4_1", "q4_k" or "mxfp4"
+    # int8 (q8_0, q6_k: w = code * scale) or uint8 in [0, 15] (4-bit: w = (level - 8) * scale + zero)
+    codes: torch.Tensor
     scale: torch.Tensor  # float32 [rows, in / block]
     zero: torch.Tensor | None = None  # q4: float32 [rows, in / 32]
 
@@ -290,6 +316,10 @@ class BlockQuantized:
     @property
     def method(self) -> QuantMethod:
         return "int8" if self.kind in _INT8_KINDS else "int4"
+
+    @property
+    def codebook(self) -> Codebook:
+        return "e2m1" if self.kind == "mxfp4" else "uniform"
 
     @property
     def block(self) -> int:
@@ -305,7 +335,7 @@ class BlockQuantized:
         s = self.scale.repeat_interleave(self.block, dim=1)
         if self.kind in _INT8_KINDS:
             return self.codes.float() * s
-        return (self.codes.float() - 8) * s + self.zero.repeat_interleave(GGUF_BLOCK, dim=1)
+        return (int4_levels(self.codes, self.codebook) - 8) * s + self.zero.repeat_interleave(GGUF_BLOCK, dim=1)
 
 
 def _fp16(raw):
@@ -313,6 +343,14 @@ def _fp16(raw):
     import numpy as np
 
     return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def mxfp4_blocks(codes: torch.Tensor, exponents: torch.Tensor) -> BlockQuantized:
+    """MXFP4: e2m1 codes uint8 [rows, cols] and each block of 32's e8m0 exponent uint8
+    [rows, cols / 32] (w = fp4(code) 2^(e - 127)) as e2m1 int4 groups: scale 2^(e - 128),
+    zero -4 scale (see the module's docstring); exact in float32."""
+    scale = torch.exp2(exponents.float() - 128)
+    return BlockQuantized("mxfp4", codes.to(torch.uint8).contiguous(), scale, -4 * scale)
 
 
 def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
@@ -324,10 +362,16 @@ def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
       128 bytes of codes (per 64 inputs, 32 bytes: low nibbles the first 32, high the next);
       w = d sc q - dmin mn per sub-block.
     - Q6_K (256): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales of 16-input
-      blocks, fp16 d; w = d sc (q - 32)."""
+      blocks, fp16 d; w = d sc (q - 32).
+    - MXFP4 (32): an e8m0 exponent byte e, then 16 bytes of e2m1 codes as Q4_0 holds its
+      codes; w = fp4(q) 2^(e - 127)."""
     import numpy as np
 
     data = np.asarray(raw, dtype=np.uint8)
+    if kind == "mxfp4":
+        blocks = data.reshape(rows, cols // GGUF_BLOCK, 17)
+        codes = np.concatenate([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], axis=-1).reshape(rows, cols)
+        return mxfp4_blocks(torch.from_numpy(codes), torch.from_numpy(blocks[..., 0].copy()))
     if kind in ("q4_k", "q6_k"):
         supers = cols // GGUF_SUPER
         b = data.reshape(rows, supers, -1)

@@ -5,8 +5,9 @@ Two sources of quantized weights:
 
 - ``quantization`` int8 or int4: every QUANTIZABLE layer is quantized as its rows stream in
   (int4 where the layer's shape allows it, else int8; an untied LM head by its own method).
-- otherwise a GGUF file's blocks (``BlockQuantized``) stay quantized in their own form, on one
-  rank (``keep_gguf_quants``), unless an earlier part of the same fused weight was float.
+- otherwise a GGUF file's blocks (``BlockQuantized``; an MXFP4 checkpoint's too) stay quantized
+  in their own form, on one rank (``keep_gguf_quants``), unless an earlier part of the same
+  fused weight was float.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from travelator.model.quant import GGUF_BLOCK, BlockQuantized, QuantMethod, int4_shape_ok
+from travelator.model.quant import GGUF_BLOCK, BlockQuantized, Codebook, QuantMethod, int4_shape_ok
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +29,12 @@ QUANTIZABLE = ("self_attn.qkv_weight", "self_attn.o_weight", "gate_up_weight", "
 
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
-    """How one weight is stored: int8 per output channel or int4 in groups of ``group_size``."""
+    """How one weight is stored: int8 per output channel or int4 in groups of ``group_size``
+    (e2m1 codes: an MXFP4 weight kept as it was loaded)."""
 
     method: QuantMethod
     group_size: int
+    codebook: Codebook = "uniform"
 
 
 class QuantPolicy:
@@ -89,6 +92,6 @@ class QuantPolicy:
         if isinstance(first, BlockQuantized) and self.keep_gguf_quants and self.tp_size == 1 and earlier_parts == 0:
             method: QuantMethod = first.method
             if method == "int4" and not int4_shape_ok(*shape, GGUF_BLOCK):
-                method = "int8"
-            return QuantFormat(method, GGUF_BLOCK)
+                return QuantFormat("int8", GGUF_BLOCK)
+            return QuantFormat(method, GGUF_BLOCK, first.codebook if method == "int4" else "uniform")
         return None

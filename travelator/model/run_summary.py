@@ -16,6 +16,7 @@ _ROUTE_WORDS = {
     LinearRoute.ONEDNN_BF16: "oneDNN bf16 GEMM",
     LinearRoute.INT8: "int8 kernel",
     LinearRoute.INT4: "int4 kernel",
+    LinearRoute.INT4_FP4: "fp4 (MXFP4) kernel",
     LinearRoute.BLOCKED: "blocked bf16 kernel",
 }
 

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import torch
 
-# MXFP4 (gpt-oss checkpoints): blocks of 32 four-bit e2m1 codes, two to a byte (the low
-# nibble first), and a power-of-two scale per block, 2 ** (byte - 127).
-_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from travelator.model.quant import BlockQuantized, mxfp4_blocks
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [..., n, 16], scales uint8 [..., n] -> float32 [..., 32 n]."""
-    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., n, 32]
-    values = table[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
-    return values.flatten(-2)
+def mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> list[BlockQuantized]:
+    """A checkpoint's MXFP4 tensor, blocks uint8 [experts, out, n, 16] (32 e2m1 codes a block,
+    two to a byte, the low nibble first) and scales uint8 [experts, out, n] (e8m0 exponents),
+    as each expert's blocks [out, 32 n], kept 4-bit."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3)
+    return [mxfp4_blocks(codes[e], scales[e]) for e in range(blocks.shape[0])]
 
 
 class StackedExperts:
@@ -28,8 +26,8 @@ class StackedExperts:
       last dimension (gate the even columns), and its bias [experts, 2 inter], likewise;
     - ``mlp.experts.down_proj`` [experts, inter, hidden] and its bias [experts, hidden];
     - or, quantized (MXFP4), ``{gate_up,down}_proj_blocks`` [experts, out, in / 32, 16] with
-      ``_scales`` [experts, out, in / 32], in (out, in) order: dequantized here, as they arrive in
-      pairs (the 4-bit codes are not kept)."""
+      ``_scales`` [experts, out, in / 32], in (out, in) order: each expert's as its blocks
+      (``BlockQuantized``, which the model keeps 4-bit or dequantizes), once both have arrived."""
 
     def __init__(self) -> None:
         self._halves: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, awaiting the other
@@ -47,7 +45,8 @@ class StackedExperts:
                     self._halves[f"{prefix}.{base}"] = tensor
                     continue
                 blocks, scales = (tensor, other) if tail.endswith("_blocks") else (other, tensor)
-                tensor, tail = dequantize_mxfp4(blocks, scales).transpose(1, 2), base  # as the float one
+                yield from _unstack_blocks(prefix, base, mxfp4_experts(blocks, scales))
+                continue
             yield from _unstack(prefix, tail, tensor)
         if self._halves:
             raise ValueError(f"MXFP4 tensors without their other half: {sorted(self._halves)}")
@@ -55,6 +54,18 @@ class StackedExperts:
 
 _STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
             "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def _unstack_blocks(prefix: str, tail: str, experts: list[BlockQuantized]):
+    """Each expert's MXFP4 blocks [out, in] as its HF-named weights (gate and up rows
+    de-interleaved)."""
+    for e, blocks in enumerate(experts):
+        name = f"{prefix}.experts.{e}."
+        if tail == "gate_up_proj":
+            yield name + "gate_proj.weight", blocks.rows(slice(0, None, 2))
+            yield name + "up_proj.weight", blocks.rows(slice(1, None, 2))
+        else:
+            yield name + "down_proj.weight", blocks
 
 
 def _unstack(prefix: str, tail: str, tensor: torch.Tensor):

@@ -18,4 +18,6 @@ enum class LinearRoute : int64_t {
   // bf16 weight with a oneDNN-packed float32 copy (a CPU without a bf16 GEMM); a few rows
   // stream as kOnednnBf16.
   kOnednnFloat32 = 4,
+  // int4 weight whose codes are e2m1 (MXFP4): as kInt4, through quant_common.h's levels.
+  kInt4Fp4 = 5,
 };

@@ -30,6 +30,19 @@ inline void check_packed(const at::Tensor& packed, const char* name) {
               packed.size(2) == 4 && packed.size(3) == kTileRows, name, ": bad packed layout");
 }
 
+// What an int4 layer's 4-bit codes stand for: w = (level(q) - 8) * scale + zero per group,
+// level(q) = q for uniform int4, or, for e2m1 (the fp4 of MXFP4 checkpoints: 0, 0.5, 1, 1.5,
+// 2, 3, 4, 6 and their negatives), twice the value plus 12, so that zero = -4 * scale makes
+// w = value * 2 * scale. Levels stay within an unsigned byte's 0..24: the integer sums
+// hold them as they hold uniform codes.
+enum class Codebook : int64_t { kUniform = 0, kE2M1 = 1 };
+constexpr uint8_t kE2M1Levels[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+inline Codebook check_codebook(int64_t codebook, const char* name) {
+  TORCH_CHECK(codebook == 0 || codebook == 1, name, ": codebook must be 0 (uniform) or 1 (e2m1)");
+  return static_cast<Codebook>(codebook);
+}
+
 constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (int8 weights)
 constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
 constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zero

@@ -47,8 +47,9 @@ inline void dequantize_int8_lanes(const uint8_t* d, const float* scales, PutFn p
 }
 
 // The same for int4 (a lane's 4 bytes: 8 inputs' codes, see the header); sz: the rows'
-// scales, their zeros kTileRows on. put(j, w) for inputs j = 0..7.
-template <typename PutFn>
+// scales, their zeros kTileRows on; codes through the e2m1 levels where E2M1. put(j, w) for
+// inputs j = 0..7.
+template <bool E2M1, typename PutFn>
 inline void dequantize_int4_lanes(const uint8_t* d, const float* sz, PutFn put) {
   const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + kTileRows);
   // (q - 8) * scale + zero = q * scale + (zero - 8 * scale)
@@ -56,7 +57,9 @@ inline void dequantize_int4_lanes(const uint8_t* d, const float* sz, PutFn put) 
   const __m512i v = _mm512_loadu_si512(d);
   for (int j = 0; j < 8; ++j) {
     const int shift = 8 * (j % 4) + 4 * (j / 4);
-    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x0F));
+    __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x0F));
+    if constexpr (E2M1) q = _mm512_permutexvar_epi32(q, _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                                           reinterpret_cast<const __m128i*>(kE2M1Levels))));
     put(j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, base));
   }
 }
@@ -78,14 +81,23 @@ inline void dequantize_int8_lanes(const uint8_t* d, const float* scales, PutFn p
   }
 }
 
-template <typename PutFn>
+// The e2m1 levels of 8 codes (0..15) in 32-bit lanes: two 8-entry lookups, the second for codes 8..15.
+inline __m256i e2m1_levels(__m256i q) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Levels));
+  const __m256i low = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(bytes), q);
+  const __m256i high = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)), q);
+  return _mm256_blendv_epi8(low, high, _mm256_cmpgt_epi32(q, _mm256_set1_epi32(7)));
+}
+
+template <bool E2M1, typename PutFn>
 inline void dequantize_int4_lanes(const uint8_t* d, const float* sz, PutFn put) {
   const __m256 scale = _mm256_loadu_ps(sz), zero = _mm256_loadu_ps(sz + kTileRows);
   const __m256 base = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d));
   for (int j = 0; j < 8; ++j) {
     const int shift = 8 * (j % 4) + 4 * (j / 4);
-    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x0F));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x0F));
+    if constexpr (E2M1) q = e2m1_levels(q);
     put(j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, base));
   }
 }
@@ -130,8 +142,10 @@ void quant_dequantize_int8(const at::Tensor& packed, const at::Tensor& scales, a
   });
 }
 
-void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group, at::Tensor out) {
+void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_zeros, int64_t group, at::Tensor out,
+                           int64_t codebook) {
   check_packed(packed, "quant_dequantize_int4");
+  const bool e2m1 = check_codebook(codebook, "quant_dequantize_int4") == Codebook::kE2M1;
   const int64_t n_tiles = packed.size(0), octets = packed.size(1), K = octets * 8;
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "quant_dequantize_int4: bad group");
   const int64_t groups = K / group;
@@ -140,8 +154,12 @@ void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_ze
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sz = scales_zeros.data_ptr<float>();
   dequantize_tiles(out, n_tiles, octets, 8, "quant_dequantize_int4", [&](int64_t t, int64_t ko, int r, auto put) {
-    dequantize_int4_lanes(w + (t * octets + ko) * 4 * kTileRows + r * kLanes * 4,
-                          sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes, put);
+    const uint8_t* d = w + (t * octets + ko) * 4 * kTileRows + r * kLanes * 4;
+    const float* rows_sz = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes;
+    if (e2m1)
+      dequantize_int4_lanes<true>(d, rows_sz, put);
+    else
+      dequantize_int4_lanes<false>(d, rows_sz, put);
   });
 }
 
@@ -153,7 +171,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
 #if defined(TRAVELATOR_QUANT_DEQUANTIZE)
   m.def("quant_dequantize_int8(Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
   m.impl("quant_dequantize_int8", c10::DispatchKey::CPU, &quant_dequantize_int8);
-  m.def("quant_dequantize_int4(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out) -> ()");
+  m.def("quant_dequantize_int4(Tensor packed, Tensor scales_zeros, int group, Tensor(a!) out, int codebook=0) -> ()");
   m.impl("quant_dequantize_int4", c10::DispatchKey::CPU, &quant_dequantize_int4);
 #endif
 }

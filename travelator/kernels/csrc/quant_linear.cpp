@@ -14,6 +14,7 @@
 // is an exact int32 per block, and the block adds to the float sum:
 //   int8 (w = scale[n] q):                 xs (sum u xi - 128 sum xi), times scale[n] at the end
 //   int4 (w = (u - 8) s + z, per group):   xs (s (sum u xi - 8 sum xi) + z sum xi)
+// where for e2m1 int4 weights (MXFP4) u is the code's level (quant_common.h), not the code.
 //
 // Layout, made at load by travelator/model/quant.py: output rows in tiles of 64 (4 blocks of
 // 16, one per vector lane), a lane's 32 bits holding consecutive inputs of its row, so each
@@ -122,11 +123,12 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, cons
 }
 
 // x [M, K] bf16; packed uint8 [N_padded / 64, K / 8, 4, 64]; scales_zeros float32
-// [N_padded / 64, K / group, 2, 64]. Returns bf16 [M, N].
+// [N_padded / 64, K / group, 2, 64]; codebook: quant_common.h's. Returns bf16 [M, N].
 at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
-                             int64_t group, int64_t N) {
+                             int64_t group, int64_t N, int64_t codebook) {
   check_x(x, "quant_linear_int4");
   check_packed(packed, "quant_linear_int4");
+  const bool e2m1 = check_codebook(codebook, "quant_linear_int4") == Codebook::kE2M1;
   const int64_t n_tiles = packed.size(0), K = x.size(1);
   TORCH_CHECK(group > 0 && group % 8 == 0, "quant_linear_int4: group must be a positive multiple of 8");
   TORCH_CHECK(packed.size(1) * 8 == K && K % group == 0, "quant_linear_int4: K does not match");
@@ -142,8 +144,12 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
     const IntegerX xi = integer_x(x.data_ptr<scalar_t>(), x.size(0), K, K, group);
     return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, auto tiles, int64_t t, int64_t m, float* out,
                                                   int64_t stride, int64_t tile_out) {
-      tiles_int4<rows(), tiles()>(xi, m, w + t * tile_bytes, tile_bytes, sz + t * tile_sz, tile_sz, out, stride,
-                                  tile_out);
+      if (e2m1)
+        tiles_int4<rows(), tiles(), true>(xi, m, w + t * tile_bytes, tile_bytes, sz + t * tile_sz, tile_sz, out,
+                                          stride, tile_out);
+      else
+        tiles_int4<rows(), tiles(), false>(xi, m, w + t * tile_bytes, tile_bytes, sz + t * tile_sz, tile_sz, out,
+                                           stride, tile_out);
     });
   });
 }
@@ -156,7 +162,7 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
 #if defined(TRAVELATOR_QUANT_KERNEL)
   m.def("quant_linear_int8(Tensor x, Tensor packed, Tensor scales, int N) -> Tensor");
   m.impl("quant_linear_int8", c10::DispatchKey::CPU, &quant_linear_int8);
-  m.def("quant_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group, int N) -> Tensor");
+  m.def("quant_linear_int4(Tensor x, Tensor packed, Tensor scales_zeros, int group, int N, int codebook=0) -> Tensor");
   m.impl("quant_linear_int4", c10::DispatchKey::CPU, &quant_linear_int4);
 #endif
 }

@@ -23,8 +23,8 @@ namespace travelator::quant {
 //   int8: u widened to 16 bits and xi as it is (16-bit), vpmaddwd: pairs of products into
 //         int32, at most 2 * 255 * 32512 each, so a block of 128 inputs stays below 2^31;
 //   int4: vpmaddubsw (unsigned bytes times signed bytes, pairs into int16, saturating) on
-//         the codes and x's hi and lo bytes: a code is at most 15, so a pair is at most
-//         2 * 15 * 128 and nothing saturates; vpmaddwd by 256 or by 1 then widens the hi and
+//         the codes' levels and x's hi and lo bytes: a level is at most 24 (e2m1; 15 for
+//         uniform int4), so two pairs add up to at most 4 * 24 * 128 and nothing saturates; vpmaddwd by 256 or by 1 then widens the hi and
 //         lo sums, so one int32 vector holds a group's 256 (u . hi) + (u . lo).
 // The integer sums are the AVX-512 kernel's and so are the float steps, lane for lane, so a
 // row comes out of both with the same bits.
@@ -108,8 +108,8 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// acc + 256 (u . hi) + (u . lo) over 8 inputs: u0 the codes of the first 4 (low nibbles), u1
-// of the next 4. Two int16 pairs add up to at most 4 * 15 * 128: no saturation.
+// acc + 256 (u . hi) + (u . lo) over 8 inputs: u0 the levels of the first 4 (low nibbles), u1
+// of the next 4. Two int16 pairs add up to at most 4 * 24 * 128: no saturation.
 inline __m256i dot_int4(__m256i acc, __m256i u0, __m256i u1, __m256i hi0, __m256i lo0, __m256i hi1, __m256i lo1) {
   const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(u0, hi0), _mm256_maddubs_epi16(u1, hi1));
   const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(u0, lo0), _mm256_maddubs_epi16(u1, lo1));
@@ -180,13 +180,15 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
     }
 }
 
-// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero).
-template <int64_t MR>
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero);
+// codes through the e2m1 levels where E2M1 (one byte shuffle per 32 codes).
+template <int64_t MR, bool E2M1>
 void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz, float* out,
                int64_t out_stride) {
   constexpr int RG = 4 / MR;
   const int64_t K = xi.K;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Levels)));
   for (int64_t m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
   for (int64_t g = 0; g < xi.blocks; ++g) {
@@ -208,7 +210,8 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* sz
         }
         for (int v = 0; v < RG; ++v) {
           const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32));
-          const __m256i u0 = _mm256_and_si256(d, nibble), u1 = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
+          __m256i u0 = _mm256_and_si256(d, nibble), u1 = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
+          if constexpr (E2M1) u0 = _mm256_shuffle_epi8(levels, u0), u1 = _mm256_shuffle_epi8(levels, u1);
           for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int4(acc[m][v], u0, u1, hi0[m], lo0[m], hi1[m], lo1[m]);
         }
       }
@@ -236,11 +239,11 @@ void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const
   tile_int8<MR>(xi, m0, w, row_scale, out, out_stride);
 }
 
-template <int64_t MR, int64_t NT>
+template <int64_t MR, int64_t NT, bool E2M1>
 void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const float* sz, int64_t, float* out,
                 int64_t out_stride, int64_t) {
   static_assert(NT == 1);
-  tile_int4<MR>(xi, m0, w, sz, out, out_stride);
+  tile_int4<MR, E2M1>(xi, m0, w, sz, out, out_stride);
 }
 #endif
 

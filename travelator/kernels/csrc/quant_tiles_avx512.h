@@ -154,12 +154,13 @@ void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_b
 }
 
 // The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero),
-// tile j's at sz + j * tile_sz.
-template <int64_t MR, int64_t NT>
+// tile j's at sz + j * tile_sz; codes through the e2m1 levels where E2M1.
+template <int64_t MR, int64_t NT, bool E2M1>
 void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_bytes, const float* sz,
                 int64_t tile_sz, float* out, int64_t out_stride, int64_t tile_out) {
   const int64_t K = xi.K;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Levels)));
   __m512 tot[NT][MR][4];
   for (int64_t j = 0; j < NT; ++j)
     for (int64_t m = 0; m < MR; ++m)
@@ -182,8 +183,9 @@ void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_b
         prefetch_ahead(wk);
         for (int r = 0; r < 4; ++r) {
           const __m512i wv = _mm512_loadu_si512(wk + r * 64);
-          const __m512i lo = _mm512_and_si512(wv, nibble);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
+          __m512i lo = _mm512_and_si512(wv, nibble);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
+          if constexpr (E2M1) lo = _mm512_shuffle_epi8(levels, lo), hi = _mm512_shuffle_epi8(levels, hi);
           for (int64_t m = 0; m < MR; ++m) {
             ah[j][m][r] = _mm512_dpbusd_epi32(ah[j][m][r], lo, bh0[m]);
             al[j][m][r] = _mm512_dpbusd_epi32(al[j][m][r], lo, bl0[m]);

@@ -35,7 +35,7 @@ std::optional<c10::TypedOperatorHandle<Sig>> kernel_if_built(const char* name) {
 using SmallM = T(const T&, const T&);
 using Blocked = T(const T&, const T&, const std::optional<T>&);
 using Int8 = T(const T&, const T&, const T&, int64_t);
-using Int4 = T(const T&, const T&, const T&, int64_t, int64_t);
+using Int4 = T(const T&, const T&, const T&, int64_t, int64_t, int64_t);
 
 // The engine's kernels, looked up once per call (a hash lookup each) and called without the
 // Python argument parsing of a torch.ops call.
@@ -67,7 +67,7 @@ inline T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c1
   const std::optional<T> a = tensors.get(3 * i), b = tensors.get(3 * i + 1), bias = tensors.get(3 * i + 2);
   const auto route = static_cast<LinearRoute>(ints[3 * i]);
   const int64_t group = ints[3 * i + 1], n = ints[3 * i + 2];
-  const bool quantized = route == LinearRoute::kInt8 || route == LinearRoute::kInt4;
+  const bool quantized = route == LinearRoute::kInt8 || route == LinearRoute::kInt4 || route == LinearRoute::kInt4Fp4;
   TORCH_CHECK(a.has_value() && (!quantized || b.has_value()), "linear layer ", i, " lacks a tensor");
   T y;
   switch (route) {
@@ -83,8 +83,9 @@ inline T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c1
       y = k.int8->call(x.contiguous(), *a, *b, n);
       break;
     case LinearRoute::kInt4:
+    case LinearRoute::kInt4Fp4:
       TORCH_CHECK(k.int4.has_value(), "this build has no int4 kernel");
-      y = k.int4->call(x.contiguous(), *a, *b, group, n);
+      y = k.int4->call(x.contiguous(), *a, *b, group, n, route == LinearRoute::kInt4Fp4);
       break;
     default:
       TORCH_CHECK(false, "unknown linear route ", ints[3 * i]);
