@@ -42,7 +42,8 @@ class ChatMessageError(ValueError):
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The messages as chat templates read them: content as one string (text parts joined, a
     null content as ""), tool calls' JSON arguments as objects (templates write them with
-    ``tojson``); ``name`` and ``tool_call_id`` kept. ChatMessageError for a malformed one."""
+    ``tojson``); ``name`` and ``tool_call_id`` kept, and the reasoning of an assistant turn
+    (``thinking``, ``reasoning_content``). ChatMessageError for a malformed one."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise ChatMessageError(f"a conversation is a list of messages, not {type(messages).__name__}")
     if not messages:
@@ -75,7 +76,30 @@ def _template_message(i: int, m: Any) -> dict[str, Any]:
             msg[key] = value
     if m.get("tool_calls"):
         msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+    msg.update(_reasoning(m, msg, where))
     return msg
+
+
+def _reasoning(m: Mapping[str, Any], msg: dict[str, Any], where: str) -> dict[str, str]:
+    """An assistant turn's reasoning under both names templates read it by: ``thinking``
+    (gpt-oss's) and ``reasoning_content`` (Qwen3's, and what the server answers with), each
+    as given, the other from it when only one is given. Not ``thinking`` beside the content
+    of a turn that called tools: gpt-oss's template refuses both there, and renders that
+    content as the reasoning."""
+    given = {}
+    for key in ("thinking", "reasoning_content"):
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise ChatMessageError(f"{where}: {key!r} must be a string", f"{where}.{key}")
+            given[key] = value
+    if not given:
+        return given
+    text = given.get("thinking", given.get("reasoning_content"))
+    out = {"reasoning_content": text, **given}
+    if "thinking" in given or not (msg.get("tool_calls") and msg["content"]):
+        out["thinking"] = given.get("thinking", text)
+    return out
 
 
 def _text(content: Any, where: str) -> str:

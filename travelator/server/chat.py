@@ -1,9 +1,12 @@
-"""``POST /v1/chat/completions``: messages rendered with the chat template, then generated."""
+"""``POST /v1/chat/completions``: messages rendered with the chat template, then generated;
+the answer read for tool calls (tools.py) or, from a model that answers in harmony, for its
+channels (harmony.py)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -13,6 +16,7 @@ from travelator.engine.outputs import RequestOutput
 from travelator.server.constraints import constraint_spec
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
+from travelator.server.harmony import HarmonyDelta, HarmonyReader
 from travelator.server.logprobs import TokenTexts, chat_logprobs
 from travelator.server.protocol import (
     AssistantMessage,
@@ -52,9 +56,12 @@ class ChatRun:
     top_logprobs: int
     include_usage: bool
     tools: ToolPlan | None
+    harmony: bool  # the answers are read for harmony's channels
 
-    def tool_reader(self) -> ToolCallReader | None:
-        """Reads one choice's tool calls, when tools may be called."""
+    def reader(self) -> HarmonyReader | ToolCallReader | None:
+        """Reads one choice's answer: its channels, or its tool calls when tools may be called."""
+        if self.harmony:
+            return HarmonyReader(self.tools)
         return ToolCallReader(self.tools) if self.tools is not None and self.tools.mode != "none" else None
 
     def logprobs(self, choice: int, out: RequestOutput) -> list[ChatTokenLogprob] | None:
@@ -67,9 +74,21 @@ class ChatRun:
                                        choices=choices, usage=totals))
 
 
+def _read(reader: HarmonyReader | ToolCallReader, text: str | None, engine_reason: str | None = None) -> HarmonyDelta:
+    """What a piece of a choice's text adds to its message (``text`` None: the end of the
+    answer, which ``engine_reason`` ended)."""
+    if isinstance(reader, HarmonyReader):
+        return reader.feed(text) if text is not None else reader.finish(complete=engine_reason == "stop")
+    content, calls = reader.feed(text) if text is not None else reader.finish()
+    return HarmonyDelta(content=content, tool_calls=calls)
+
+
 def _prompt(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None) -> EnginePrompt:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     text = render_messages(serving, req.messages, req.add_generation_prompt,
-                           tools.tools if tools is not None else None)
+                           tools.tools if tools is not None else None, kwargs)
     ids = serving.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise APIError(400, "the messages render to an empty prompt", param="messages")
@@ -77,13 +96,16 @@ def _prompt(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan 
 
 
 def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
-                    add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+                    add_generation_prompt: bool, tools: list[dict] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of ``chat_messages`` (and of the ``tools`` offered, for templates that
-    render them) through the model's chat template (also what ``POST /tokenize`` encodes for
-    a chat body): travelator.chat's rendering, the same as ``LLM.chat``'s."""
+    render them; ``chat_template_kwargs``: more template variables) through the model's chat
+    template (also what ``POST /tokenize`` encodes for a chat body): travelator.chat's
+    rendering, the same as ``LLM.chat``'s."""
     try:
         return render_chat(serving.tokenizer, [m.model_dump(exclude_none=True) for m in chat_messages],
-                           add_generation_prompt=add_generation_prompt, tools=tools)
+                           add_generation_prompt=add_generation_prompt, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
     except ChatMessageError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
 
@@ -99,13 +121,20 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan |
     params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None, structured=structured)
     if tools is not None and tools.mode == "auto" and tools.format == "hermes" and serving.tool_tags_are_special:
         params.skip_special_tokens = False  # the tags must reach the reader
+    # A forced call is constrained to bare JSON, read as other models' are.
+    harmony = serving.harmony if tools is None or tools.mode in ("none", "auto") else None
+    if harmony is not None:
+        params.skip_special_tokens = False  # the structural tokens must reach the reader
+        if not req.ignore_eos:
+            params.stop_token_ids += [t for t in harmony.stop_token_ids if t not in params.stop_token_ids]
     gen = serving.start([prompt], params, req, "messages", "chatcmpl")
     texts = None
     if req.logprobs:
         texts = [TokenTexts(serving.tokenizer, prompt.token_ids, params.skip_special_tokens)
                  for _ in range(params.n)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return ChatRun(gen, model, now(), prompt, params.n, texts, top_n, include_usage, tools)
+    return ChatRun(gen, model, now(), prompt, params.n, texts, top_n, include_usage, tools,
+                   harmony is not None)
 
 
 async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequest,
@@ -126,15 +155,17 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
         return Response(status_code=499)
     choices = []
     for i, out in enumerate(finals):
-        content, calls, reason = out.text, [], out.finish_reason
-        reader = run.tool_reader()
+        content, reasoning, calls, reason = out.text, "", [], out.finish_reason
+        reader = run.reader()
         if reader is not None:
-            content = reader.feed(out.text)[0] + reader.finish()[0]
+            whole, rest = _read(reader, out.text), _read(reader, None, out.finish_reason)
+            content, reasoning = whole.content + rest.content, whole.reasoning + rest.reasoning
             calls, reason = reader.calls, finish_reason(run.tools, reader, out.finish_reason)
-            if calls and not content:
+            if (calls or reasoning) and not content:
                 content = None
         choices.append(ChatChoice(
-            index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
+            index=i, message=AssistantMessage(content=content, tool_calls=calls or None,
+                                              reasoning_content=reasoning or None),
             logprobs=ChatLogprobs(content=lps[i]) if run.texts is not None else None,
             finish_reason=reason, stop_reason=out.stop_reason))
     return json_response(ChatCompletionResponse(
@@ -148,27 +179,39 @@ async def _stream(run: ChatRun) -> AsyncIterator[str]:
     for i in range(run.n):
         yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     finals: list[RequestOutput | None] = [None] * run.n
-    readers = [run.tool_reader() for _ in range(run.n)]
+    readers = [run.reader() for _ in range(run.n)]
     async for i, out in run.gen.outputs():
         lp = run.logprobs(i, out)
         reader = readers[i]
-        content, calls = reader.feed(out.new_text) if reader is not None else (out.new_text, [])
-        # One chunk per token step, as vLLM; with tools, only chunks that carry something.
-        if (out.new_token_ids and reader is None) or content or calls or lp:
+        piece = _read(reader, out.new_text) if reader is not None else HarmonyDelta(content=out.new_text)
+        # One chunk per token step, as vLLM; with tools read out of the text, only chunks
+        # that carry something.
+        per_step = not isinstance(reader, ToolCallReader)
+        if (out.new_token_ids and per_step) or _carries(piece) or lp:
             yield run.chunk([ChatChunkChoice(
-                index=i, delta=DeltaMessage(content=content if reader is None or content else None,
-                                            tool_calls=calls or None),
+                index=i, delta=_delta(piece, empty_content=per_step),
                 logprobs=ChatLogprobs(content=lp) if lp is not None else None)])
         if out.finished:
             finals[i] = out
             reason = out.finish_reason
             if reader is not None:
-                content, calls = reader.finish()
-                if content or calls:
-                    yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(
-                        content=content or None, tool_calls=calls or None))])
+                rest = _read(reader, None, out.finish_reason)
+                if _carries(rest):
+                    yield run.chunk([ChatChunkChoice(index=i, delta=_delta(rest, empty_content=False))])
                 reason = finish_reason(run.tools, reader, out.finish_reason)
             yield run.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
                                              stop_reason=out.stop_reason)])
     if run.include_usage:
         yield run.chunk([], usage([run.prompt], finals, run.n))
+
+
+def _carries(piece: HarmonyDelta) -> bool:
+    return bool(piece.content or piece.reasoning or piece.tool_calls)
+
+
+def _delta(piece: HarmonyDelta, empty_content: bool) -> DeltaMessage:
+    """A chunk's delta; ``empty_content``: an empty content is sent as "" (a token step that
+    showed nothing yet), not left out."""
+    content = piece.content if piece.content or (empty_content and not _carries(piece)) else None
+    return DeltaMessage(content=content, reasoning_content=piece.reasoning or None,
+                        tool_calls=piece.tool_calls or None)

@@ -203,6 +203,9 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     # Extension: render the template without the assistant header (default: with it).
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM's): more template variables
+    # A template variable (gpt-oss's reads it), unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 # ---------------------------------------------------------------------------- responses
@@ -276,13 +279,11 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # the model's reasoning, where its format sets it apart
 
     @model_serializer(mode="wrap")
-    def _calls_when_made(self, handler):  # as OpenAI: no tool_calls key without calls
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
+    def _calls_when_made(self, handler):  # as OpenAI: no tool_calls key without calls (nor reasoning)
+        return {k: v for k, v in handler(self).items() if v is not None or k not in ("tool_calls", "reasoning_content")}
 
 
 class ChatChoice(BaseModel):
@@ -328,6 +329,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

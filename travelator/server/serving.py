@@ -26,6 +26,7 @@ from travelator.sampling_params import SamplingParams
 from travelator.server.constraints import ConstraintCompiler
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
+from travelator.server.harmony import HarmonyFormat, detect_harmony
 from travelator.server.metrics import ServerMetrics
 from travelator.server.protocol import PromptTokensDetails, SamplingFields, Usage, random_id
 from travelator.server.settings import ServerSettings
@@ -76,6 +77,8 @@ class OpenAIServing:
         # keep special tokens in their text, for the tool-call reader.
         tag = self.tokenizer.encode("<tool_call>", add_special_tokens=False)
         self.tool_tags_are_special = len(tag) == 1 and tag[0] in self.tokenizer.special_token_ids
+        # gpt-oss: answers are read for their channels (server/harmony.py).
+        self.harmony: HarmonyFormat | None = detect_harmony(self.tokenizer)
 
     # ---- checks ------------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:

@@ -10,6 +10,7 @@ of a model hub. A chat body is rendered through the chat template exactly as
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
@@ -36,6 +37,7 @@ class TokenizeChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ChatTool] | None = None  # rendered as chat completions render them
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes BOS itself
     return_token_strs: bool = False
 
@@ -67,7 +69,7 @@ def tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeCh
     tk = serving.tokenizer
     if isinstance(req, TokenizeChatRequest):
         tools = template_tools(req.tools) if req.tools else None
-        text = render_messages(serving, req.messages, req.add_generation_prompt, tools)
+        text = render_messages(serving, req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
     else:
         text = req.prompt
     ids = tk.encode(text, add_special_tokens=req.add_special_tokens)

@@ -12,6 +12,7 @@ forces a call, and reading the calls out of the model's text, whole or as it str
 - a named function: the output is constrained to that function's arguments.
 
 A call ended by ``max_tokens`` may be cut short; its text then stays in ``content``.
+gpt-oss's answers ("auto" and "none") are read by harmony.py, with the same plan.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class ToolPlan:
     named: str | None
     parallel: bool
     format: ToolCallFormat
+
+    def offers(self, name: str) -> bool:
+        return any(t["function"]["name"] == name for t in self.tools)
 
     def forced_schema(self) -> dict[str, Any] | None:
         """The JSON schema the output must match ("required" and named choices), else None."""
@@ -135,7 +139,8 @@ def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def _call_id() -> str:
+def call_id() -> str:
+    """A fresh id for a call the model made."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -199,13 +204,13 @@ class ToolCallReader:
     _after_call: bool = False  # hermes: whitespace after a call is dropped
 
     def _offered(self, call: FunctionCall) -> bool:
-        return any(t["function"]["name"] == call.name for t in self.plan.tools)
+        return self.plan.offers(call.name)
 
     def _emit(self, call: FunctionCall) -> list[DeltaToolCall]:
         if self.calls and not self.plan.parallel:
             return []
         index = len(self.calls)
-        self.calls.append(ToolCall(id=_call_id(), function=call))
+        self.calls.append(ToolCall(id=call_id(), function=call))
         return [DeltaToolCall(index=index, id=self.calls[-1].id, type="function",
                               function=DeltaFunctionCall(name=call.name, arguments=call.arguments))]
 
@@ -239,7 +244,7 @@ class ToolCallReader:
     def _feed_named(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         # The output is the arguments themselves: stream them as they come.
         if not self.calls:
-            self.calls.append(ToolCall(id=_call_id(), function=FunctionCall(name=self.plan.named, arguments=text)))
+            self.calls.append(ToolCall(id=call_id(), function=FunctionCall(name=self.plan.named, arguments=text)))
             return "", [DeltaToolCall(index=0, id=self.calls[0].id, type="function",
                                       function=DeltaFunctionCall(name=self.plan.named, arguments=text))]
         call = self.calls[0]
@@ -263,7 +268,7 @@ class ToolCallReader:
             start = self._buffer.find(self._OPEN)
             if start < 0:
                 # Hold back a tail that may be the start of a tag still coming.
-                keep = 0 if final else _partial_suffix(self._buffer, self._OPEN)
+                keep = 0 if final else partial_suffix(self._buffer, self._OPEN)
                 content.append(self._text(self._buffer[:len(self._buffer) - keep]))
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
@@ -332,7 +337,7 @@ def _json_calls(body: str) -> list[FunctionCall]:
     return calls
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that begins ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
