@@ -218,6 +218,9 @@ class ParallelConfig:
     tensor_parallel_size: Annotated[int, Setting(
         "split the model over N ranks (Megatron-style; gloo on CPU, NCCL on CUDA); the engine "
         "launches N-1 workers here, or run every rank under torchrun", short_flag="-tp")] = 1
+    expert_parallel: Annotated[bool, Setting(
+        "mixtures of experts under tensor parallelism: place whole experts on the ranks (expert e "
+        "on rank e mod N) instead of splitting every expert's intermediate size over them")] = False
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -55,6 +55,29 @@ TIGHT = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_to
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
 def test_tp2_matches_tp1_and_transformers(family, tmp_path):
     """Mixtures of experts: each rank holds half of every expert's intermediate size."""
+    check_tp2_against_tp1_and_transformers(family, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_placed_experts_match_tp1_and_transformers(family, tmp_path):
+    """Expert parallelism: each rank holds every other expert whole (and its bias) and runs
+    only their pairs."""
+    one, two, mem = check_tp2_against_tp1_and_transformers(family, tmp_path, expert_parallel=True)
+    inter = one.engine.arch.expert_intermediate_size
+    driver = two.engine.runner.runner.model  # rank 0's shard
+    for layer in [layer for layer in driver.layers if hasattr(layer.mlp, "experts")]:
+        held = [tuple(e.gate_up_weight.shape) for e in layer.mlp.experts]
+        assert held[0::2] == [(2 * inter, one.engine.arch.hidden_size)] * len(held[0::2])  # whole
+        assert set(held[1::2]) == {(0, 0)}  # rank 1's
+    # The other weights are split in halves or replicated (norms, routers: a few KB).
+    total = sum(p.numel() * p.element_size() for p in one.engine.runner.model.parameters())
+    for m in mem:
+        assert abs(m["weights"] - total / 2) < 0.05 * total, (m, total)
+
+
+def check_tp2_against_tp1_and_transformers(family, tmp_path, **parallel):
+    """Staggered requests through TP=1 and TP=2 (with ``parallel`` settings): the same tokens,
+    transformers' greedy ones. Returns both LLMs (TP=2's shut down) and TP=2's memory by rank."""
     overrides = {"llama": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32},
                  "phi3": phi3_overrides(original=512, maximum=512),
                  "gemma3": gemma3_overrides(window=5), "mixtral": mixtral_overrides(),
@@ -66,7 +89,7 @@ def test_tp2_matches_tp1_and_transformers(family, tmp_path):
     one = LLM(str(path), device="cpu", **TIGHT)
     want = run_staggered(one, reqs)
     assert one.engine.counters.preemptions > 0
-    two = LLM(str(path), device="cpu", tensor_parallel_size=2, **TIGHT)
+    two = LLM(str(path), device="cpu", tensor_parallel_size=2, **TIGHT, **parallel)
     try:
         got = run_staggered(two, reqs)
         assert two.engine.counters.preemptions == one.engine.counters.preemptions
@@ -80,6 +103,7 @@ def test_tp2_matches_tp1_and_transformers(family, tmp_path):
     ref = load_reference(path)
     for i, (_, prompt, m) in enumerate(reqs):
         assert got[i] == reference_greedy(ref, prompt, m), f"request {i} differs"
+    return one, two, mem
 
 
 def test_dummy_weights_same_model_and_half_the_weights_per_rank():

@@ -148,6 +148,54 @@ def test_native_experts_call_is_the_python_path_bit_for_bit(method, tokens):
     poisoned = moe.experts[unused].down_weight
     {None: lambda: poisoned.data, "int8": lambda: poisoned.scales, "int4": lambda: poisoned.scales_zeros}[method]().fill_(float("nan"))
     assert torch.equal(moe.ops.moe_experts(x, experts, stack), native)
+    # Expert parallelism: pairs of another rank's experts (id -1) come out as zero rows.
+    here = experts % 2 == 0
+    placed = moe.ops.moe_experts(x, torch.where(here, experts, -1), stack)
+    assert torch.equal(placed, torch.where(here.flatten()[:, None], native, 0))
+
+
+class TwoRanks:
+    """Rank ``rank`` of two under expert parallelism, its all-reduce left to the test."""
+
+    size = 2
+    expert_parallel = True
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def expert_rank(self, expert: int) -> int:
+        return expert % self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_placed_experts_on_two_ranks_add_up_to_the_layer(ops, tokens):
+    """Each rank holds every other expert whole and runs their pairs only (the native call for
+    a few tokens, the grouped path for many); the two ranks' outputs add up to the layer's."""
+    arch = replace(ARCH, hidden_size=128, expert_intermediate_size=96)
+    full = layer(arch, ops)
+    for p in full.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    linear = lambda m: [m.router_weight] + [w for e in m.held_experts() for w in (e.gate_up_weight, e.down_weight)]  # noqa: E731
+    full.ops.prepare(linear(full))
+    x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    total = torch.zeros(tokens, 128)
+    for rank in (0, 1):
+        moe = SparseMoE(arch, torch.bfloat16, ops(), TwoRanks(rank))
+        held = [e for e in moe.experts if e.gate_up_weight.numel()]
+        assert len(held) == arch.num_experts // 2
+        moe.router_weight.data.copy_(full.router_weight.data)
+        for e in range(rank, arch.num_experts, 2):
+            for name in ("gate_up_weight", "down_weight"):
+                setattr(moe.experts[e], name, torch.nn.Parameter(getattr(full.experts[e], name).data.clone(),
+                                                                  requires_grad=False))
+        moe.ops.prepare(linear(moe))
+        total += moe(x).float()
+    want = full(x).float()
+    torch.testing.assert_close(total, want, atol=0.02 * float(want.abs().max()), rtol=0)
 
 
 @pytest.mark.skipif(not kernels.available() or not hasattr(torch.ops.travelator, "moe_experts"),

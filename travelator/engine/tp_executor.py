@@ -61,14 +61,14 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     env = launch_env()
     if env is None and size == 1:
         return ModelRunner(model, arch, weights, settings, grammars=grammars, draft=draft)
-    check_divisible(arch, size)
+    check_divisible(arch, size, parallel.expert_parallel)
     if env is not None and env.world_size != size:
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
                          f"is {size}: pass --tensor-parallel-size {env.world_size}")
     if env is not None and env.rank != 0:
         run_worker(env)
         raise SystemExit(0)
-    return TPExecutor(TPWorkerSpec(model, settings), arch, weights, size, env, grammars)
+    return TPExecutor(TPWorkerSpec(model, settings, parallel.expert_parallel), arch, weights, size, env, grammars)
 
 
 class _Group:
@@ -152,6 +152,7 @@ class TPExecutor:
         group = self._watched(lambda: TPGroup(store if store is not None else connect_store(env),
                                               0, self.size))
         self._g.group = self.group = group
+        group.expert_parallel = spec.expert_parallel
         group.broadcast_object(spec)
         device = rank_device(spec.device_type, local_rank)
         self._watched(lambda: group.connect_data(device))

@@ -40,6 +40,7 @@ class TPWorkerSpec:
 
     model: ModelConfig
     settings: RunnerSettings  # the driver's: each rank runs on its own device of this type
+    expert_parallel: bool = False  # ParallelConfig's
 
     @property
     def device_type(self) -> str:
@@ -131,6 +132,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
 
     group = TPGroup(connect_store(env), env.rank, env.world_size)
     spec: TPWorkerSpec = group.broadcast_object()
+    group.expert_parallel = spec.expert_parallel
     device = rank_device(spec.device_type, env.local_rank)
     group.connect_data(device)
 

@@ -161,14 +161,24 @@ class Shard:
     Along ``dim``, each of the parameter's fused ``parts`` (full sizes, e.g. q, k, v of a
     fused QKV) is cut into ``size`` equal contiguous pieces, and rank r keeps piece r of
     every part, in order. ``dim=None``: replicated. A part that does not divide evenly
-    (only the vocabulary may) gets a zero-padded last piece.
+    (only the vocabulary may) gets a zero-padded last piece. ``owner``: the whole parameter
+    lives on that rank only (a mixture's expert under expert parallelism), its parts whole, as
+    on one rank; the other ranks hold an empty one and skip its tensors.
     """
 
     dim: int | None = None
     parts: tuple[int, ...] = ()
+    owner: int | None = None
+
+    def held_by(self, rank: int) -> bool:
+        return self.owner is None or self.owner == rank
 
     def piece(self, part: int, size: int) -> int:
-        return -(-self.parts[part] // size)
+        return -(-self.parts[part] // self._ranks(size))
+
+    def _ranks(self, size: int) -> int:
+        """The ranks the parameter is cut over: 1 for a placed one."""
+        return 1 if self.owner is not None else size
 
     def local_shape(self, full_shape: tuple[int, ...], size: int) -> tuple[int, ...]:
         if self.dim is None:
@@ -190,7 +200,7 @@ class Shard:
 
     def take(self, full_part: torch.Tensor, part: int, rank: int, size: int) -> torch.Tensor:
         """This rank's piece of one full part (a whole HF tensor such as q_proj.weight)."""
-        if self.dim is None or size == 1:
+        if self.dim is None or self._ranks(size) == 1:
             return full_part
         n = self.piece(part, size)
         total = full_part.shape[self.dim]
@@ -204,7 +214,7 @@ class Shard:
 
     def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """This rank's shard of the full (fused) parameter."""
-        if self.dim is None or size == 1:
+        if self.dim is None or self._ranks(size) == 1:
             return full
         pieces, start = [], 0
         for i, p in enumerate(self.parts):

@@ -84,12 +84,12 @@ class LlamaModel(nn.Module):
         self.quant_policy = QuantPolicy(quantization, group_size, keep_gguf_quants, lm_head_quantization,
                                         tp.size if tp is not None else 1)
         if tp is not None:
-            check_divisible(arch, tp.size)
+            check_divisible(arch, tp.size, tp.expert_parallel)
         self.arch = arch
         self.dtype = dtype
         self.tp = tp
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
-        self.shards, self.full_shapes = _layout(arch)
+        self.shards, self.full_shapes = _layout(arch, tp if tp is not None and tp.expert_parallel else None)
         vocab = self.shards["embed"].local_shape(self.full_shapes["embed"], self.tp_size)[0]
         self.vocab_start = self.tp_rank * vocab  # this rank's slice of the vocabulary
         self.embed = param(vocab, arch.hidden_size, dtype=dtype)
@@ -131,7 +131,7 @@ class LlamaModel(nn.Module):
             mats += [layer.self_attn.qkv_weight, layer.self_attn.o_weight]
             if isinstance(layer.mlp, SparseMoE):
                 mats.append(layer.mlp.router_weight)
-                mats += [w for e in layer.mlp.experts for w in (e.gate_up_weight, e.down_weight)]
+                mats += [w for e in layer.mlp.held_experts() for w in (e.gate_up_weight, e.down_weight)]
             else:
                 mats += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
         return mats
@@ -226,14 +226,17 @@ class LlamaModel(nn.Module):
         size = self.tp_size
         shard = self.shards[target]
         full_shape = self.full_shapes[target]
-        dest = param.data
         if part is not None:
             full_shape = shard.part_shape(full_shape, part)
-            dest = dest.narrow(shard.dim, shard.local_offset(part, size), shard.piece(part, size))
         if tuple(tensor.shape) != tuple(full_shape):
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
             )
+        if not shard.held_by(self.tp_rank):
+            return  # another rank's expert
+        dest = param.data
+        if part is not None:
+            dest = dest.narrow(shard.dim, shard.local_offset(part, size), shard.piece(part, size))
         builder = builders.get(target)
         if builder is None:  # the first of its tensors (or all so far went in as float)
             local_shape = tuple(param.shape)
@@ -292,6 +295,8 @@ class LlamaModel(nn.Module):
                 p.data.fill_(0.0 if self.arch.norm_unit_offset else 1.0)  # a scale of 1 either way
                 continue
             full = torch.randn(self.full_shapes[name], generator=g, device=device) * 0.02
+            if not self.shards[name].held_by(self.tp_rank):
+                continue  # another rank's expert: drawn all the same, so the stream stays one rank's
             shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
             fmt = self.quant_policy.for_random(name, tuple(shard.shape))
             if fmt is not None:
@@ -358,8 +363,9 @@ def _expert_target(rest: str) -> tuple[str, int | None] | None:
     return f"mlp.experts.{int(expert)}.{field}", part
 
 
-def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
-    """Every parameter's full (one-rank) shape and how it is split over ranks."""
+def _layout(arch: ModelArch, placed: TPGroup | None = None) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
+    """Every parameter's full (one-rank) shape and how it is split over ranks; ``placed``: the
+    group whose ranks hold whole experts (expert parallelism)."""
     h, v = arch.hidden_size, arch.vocab_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     inter = arch.intermediate_size
@@ -401,19 +407,26 @@ def _layout(arch: ModelArch) -> tuple[dict[str, Shard], dict[str, tuple[int, ...
             shards[p + "self_attn.sinks"] = Shard(0, (arch.num_heads,))  # each rank its heads'
             shapes[p + "self_attn.sinks"] = (arch.num_heads,)
         if arch.is_moe_layer(i):
-            _moe_layout(arch, p, shards, shapes)
+            _moe_layout(arch, p, shards, shapes, placed)
     return shards, shapes
 
 
-def _moe_layout(arch: ModelArch, p: str, shards: dict[str, Shard], shapes: dict[str, tuple[int, ...]]) -> None:
-    """A mixture layer's parameters: the router replicated, each expert split as the MLP is."""
+def _moe_layout(arch: ModelArch, p: str, shards: dict[str, Shard], shapes: dict[str, tuple[int, ...]],
+                placed: TPGroup | None) -> None:
+    """A mixture layer's parameters: the router replicated, each expert split as the MLP is, or
+    (``placed``) whole on its rank."""
     h, inter = arch.hidden_size, arch.expert_intermediate_size
     shards[p + "mlp.router_weight"], shapes[p + "mlp.router_weight"] = Shard(), (arch.num_experts, h)
     shards[p + "mlp.router_bias"], shapes[p + "mlp.router_bias"] = Shard(), (arch.num_experts,)
     for e in range(arch.num_experts):
         q = f"{p}mlp.experts.{e}."
-        shards[q + "gate_up_weight"] = shards[q + "gate_up_bias"] = Shard(0, (inter, inter))
-        shards[q + "down_weight"] = Shard(1, (inter,))
-        shards[q + "down_bias"] = Shard()  # added on rank 0
+        if placed is not None:
+            owner = placed.expert_rank(e)
+            shards[q + "gate_up_weight"] = shards[q + "gate_up_bias"] = Shard(0, (inter, inter), owner)
+            shards[q + "down_weight"] = shards[q + "down_bias"] = Shard(owner=owner)
+        else:
+            shards[q + "gate_up_weight"] = shards[q + "gate_up_bias"] = Shard(0, (inter, inter))
+            shards[q + "down_weight"] = Shard(1, (inter,))
+            shards[q + "down_bias"] = Shard()  # added on rank 0
         shapes[q + "gate_up_weight"], shapes[q + "gate_up_bias"] = (2 * inter, h), (2 * inter,)
         shapes[q + "down_weight"], shapes[q + "down_bias"] = (h, inter), (h,)

@@ -16,7 +16,10 @@ experts in one parallel pass per projection), with the same numbers: a decode of
 would otherwise spend more time between its kernels than in them.
 
 Tensor parallelism splits every expert's intermediate size over the ranks like the dense MLP
-(gate/up by rows, down by columns), with one all-reduce of the layer's output.
+(gate/up by rows, down by columns), with one all-reduce of the layer's output; or, with expert
+parallelism, places whole experts on ranks (``TPGroup.expert_rank``): each rank runs the pairs
+of the experts it holds (another rank's pairs are zero rows) and the same all-reduce adds the
+ranks' weighted sums.
 """
 
 from __future__ import annotations
@@ -88,28 +91,41 @@ class ExpertStack:
 class SparseMoE(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, ops: TorchOps, tp: TPGroup | None = None) -> None:
         super().__init__()
-        size = tp.size if tp is not None else 1
+        placed = tp is not None and tp.expert_parallel
         self.ops = ops
         self.tp = tp
         self.top_k = arch.experts_per_token
         self.renormalize = arch.norm_topk_prob
         self.router_weight = param(arch.num_experts, arch.hidden_size, dtype=dtype)
         self.router_bias = param(arch.num_experts, dtype=dtype) if arch.expert_bias else None
-        inter = arch.expert_intermediate_size // size
-        self.experts = nn.ModuleList(Expert(arch.hidden_size, inter, dtype, arch.expert_bias)
-                                     for _ in range(arch.num_experts))
-        self._first_rank = tp is None or tp.rank == 0
+        # The experts this rank holds (all of them, each its share, unless they are placed).
+        held = [e for e in range(arch.num_experts) if not placed or tp.expert_rank(e) == tp.rank]
+        self._held = torch.zeros(arch.num_experts, dtype=torch.bool)
+        self._held[held] = True
+        # Where they stand among the held ones (the native call's expert ids); -1: another rank's.
+        self._local_id = torch.full((arch.num_experts,), -1, dtype=torch.long)
+        self._local_id[held] = torch.arange(len(held))
+        inter = arch.expert_intermediate_size // (tp.size if tp is not None and not placed else 1)
+        self.experts = nn.ModuleList(Expert(arch.hidden_size, inter, dtype, arch.expert_bias) if self._held[e]
+                                     else Expert(0, 0, dtype, arch.expert_bias)  # empty: another rank's
+                                     for e in range(arch.num_experts))
+        # A split expert's down bias is added once, by rank 0; a placed one's by its rank.
+        self._adds_down_bias = placed or tp is None or tp.rank == 0
         limit, alpha = arch.swiglu_limit, arch.swiglu_alpha
         self.act = ops.silu_and_mul if limit is None else (lambda h: ops.clamped_swiglu(h, alpha, limit))
         self._stack: ExpertStack | None = None
         self._stack_gathered = False
 
+    def held_experts(self) -> list[Expert]:
+        """The experts whose weights this rank holds."""
+        return [e for e, held in zip(self.experts, self._held.tolist()) if held]
+
     def expert_stack(self) -> ExpertStack | None:
-        """Every expert's projections as the native experts call takes them (gathered at the
-        first call: the weights are final then), or None where it cannot run them."""
+        """The held experts' projections as the native experts call takes them (gathered at
+        the first call: the weights are final then), or None where it cannot run them."""
         if not self._stack_gathered:
             silu = self.act == self.ops.silu_and_mul
-            self._stack = ExpertStack.of(self.ops, self.experts) if silu else None
+            self._stack = ExpertStack.of(self.ops, self.held_experts()) if silu else None
             self._stack_gathered = True
         return self._stack
 
@@ -129,7 +145,7 @@ class SparseMoE(nn.Module):
         stack = self.expert_stack()
         out = None
         if stack is not None and stack.covers(self.ops, int(torch.bincount(experts.flatten()).max())):
-            out = self.ops.moe_experts(x, experts, stack)
+            out = self.ops.moe_experts(x, self._local_id[experts], stack)
         if out is None:
             out = self._grouped(x, experts)
         weighted = out.view(t, self.top_k, hidden) * weights.unsqueeze(-1)
@@ -139,19 +155,21 @@ class SparseMoE(nn.Module):
         return total
 
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Each (token, expert) pair's expert output [T * k, hidden], expert by expert."""
+        """Each (token, expert) pair's expert output [T * k, hidden], expert by expert (zero
+        for another rank's expert)."""
         t, hidden = x.shape
         pairs = experts.flatten()  # pair p: token p // k, its (p % k)-th expert
         order = torch.argsort(pairs, stable=True)
         counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
-        out = x.new_empty(t * self.top_k, hidden)
+        held = self._held.tolist()
+        out = x.new_empty(t * self.top_k, hidden) if all(held) else x.new_zeros(t * self.top_k, hidden)
         start = 0
-        for expert, count in zip(self.experts, counts):
-            if count == 0:
-                continue
+        for expert, count, here in zip(self.experts, counts, held):
             rows = order[start:start + count]
             start += count
+            if count == 0 or not here:
+                continue
             h = self.ops.linear(x[rows // self.top_k], expert.gate_up_weight, expert.gate_up_bias)
-            down_bias = expert.down_bias if self._first_rank else None
+            down_bias = expert.down_bias if self._adds_down_bias else None
             out[rows] = self.ops.linear(self.act(h), expert.down_weight, down_bias)
         return out

@@ -42,6 +42,14 @@ class TPGroup:
         self.device = torch.device("cpu")
         # Batch-invariant mode: sum the ranks' parts in rank order (see all_reduce).
         self.fixed_order_sums = False
+        # Mixtures of experts: whole experts placed on ranks (``expert_rank``) instead of every
+        # expert's intermediate size split over them.
+        self.expert_parallel = False
+
+    def expert_rank(self, expert: int) -> int:
+        """The rank that holds ``expert`` under expert parallelism: round robin, so that each
+        rank holds every size-th expert."""
+        return expert % self.size
 
     def connect_data(self, device: torch.device) -> None:
         """Build the data group for ``device`` (collective: every rank calls it)."""
@@ -127,12 +135,17 @@ class TPGroup:
                 pass
 
 
-def check_divisible(arch: ModelArch, size: int) -> None:
-    """Each rank holds an equal share of the heads and of every MLP's (and expert's) width."""
+def check_divisible(arch: ModelArch, size: int, expert_parallel: bool = False) -> None:
+    """Each rank holds an equal share of the heads and of every MLP's (and, unless experts are
+    placed whole, every expert's) width; placed experts need as many experts as ranks."""
     if size < 1:
         raise ValueError("tensor_parallel_size must be positive")
     widths = [("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads)]
-    if arch.num_layers > len(arch.dense_layers) and arch.num_experts:
+    moe = arch.num_layers > len(arch.dense_layers) and arch.num_experts
+    if moe and expert_parallel and arch.num_experts < size:
+        raise ValueError(f"expert parallelism over {size} ranks needs at least as many experts "
+                         f"(the model has {arch.num_experts})")
+    if moe and not expert_parallel:
         widths.append(("experts' intermediate size", arch.expert_intermediate_size))
     if arch.num_experts == 0 or arch.dense_layers:
         widths.append(("MLP intermediate size", arch.intermediate_size))

@@ -57,12 +57,12 @@ void pass(const std::vector<Group>& groups, const std::vector<sm::XRow>& x, cons
 }
 
 // Each (token, expert) pair's rows of x, grouped by expert in pair order, as moe.py groups them;
-// `order` the pairs, expert by expert.
+// `order` the pairs, expert by expert. A pair of expert -1 (another rank's) is in no group.
 std::vector<Group> group_pairs(const at::Tensor& experts, int64_t num_experts, std::vector<int64_t>& order) {
   const auto ids = experts.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t pairs = experts.numel();
-  for (int64_t p = 0; p < pairs; ++p) TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "moe_experts: expert id out of range");
+  for (int64_t p = 0; p < pairs; ++p) TORCH_CHECK(id[p] >= -1 && id[p] < num_experts, "moe_experts: expert id out of range");
   std::vector<Group> groups;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t first = static_cast<int64_t>(order.size());
@@ -108,10 +108,11 @@ at::Tensor fused(const at::Tensor& x, const std::vector<Group>& groups, const st
   return sorted;
 }
 
-// x: [T, H]; experts: [T, k] int64, each token's experts (distinct per token); expert e's
-// gate/up and down projections are linear layers 2e and 2e + 1 of linear_tensors and
-// linear_ints (streaming_linear.h's encoding). Returns [T * k, H]: row t * k + j holds expert
-// experts[t, j]'s output for token t.
+// x: [T, H]; experts: [T, k] int64, each token's experts (distinct per token; -1: an expert
+// another rank holds, under expert parallelism); expert e's gate/up and down projections are
+// linear layers 2e and 2e + 1 of linear_tensors and linear_ints (streaming_linear.h's
+// encoding). Returns [T * k, H]: row t * k + j holds expert experts[t, j]'s output for token t
+// (zeros for -1).
 // first_linear, num_experts: the experts are linear layers first_linear .. first_linear +
 // 2 num_experts - 1 of the lists (the native layer stack passes its whole model's); -1: all.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const c10::List<std::optional<at::Tensor>>& all_tensors,
@@ -132,6 +133,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const c10
   std::vector<int64_t> order;
   const std::vector<Group> groups = group_pairs(experts, E, order);
   const int64_t P = static_cast<int64_t>(order.size());
+  if (P == 0) return at::zeros({experts.numel(), H}, x.options());  // every pair another rank's
   at::Tensor sorted;
   if (x.scalar_type() == at::kBFloat16 && all_small_m(tensors, ints)) {
     std::vector<at::Tensor> w1, w2;
@@ -149,7 +151,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const c10
       sorted.narrow(0, g.first, g.rows).copy_(linear(kernels, tensors, ints, 2 * g.expert + 1, kernels.silu_and_mul.call(h)));
     }
   }
-  at::Tensor out = at::empty({P, H}, x.options());
+  const int64_t rows = experts.numel();
+  at::Tensor out = P == rows ? at::empty({rows, H}, x.options()) : at::zeros({rows, H}, x.options());
   const at::Tensor where = at::tensor(order, experts.options());
   return out.index_copy_(0, where, sorted);
 }
