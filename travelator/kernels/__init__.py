@@ -1,17 +1,27 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension tooling.
 
-The build is cached per source, torch version and CPU (it is compiled with
-``-march=native``, so a cache made on one CPU is never loaded on another). Where no
-compiler is available the engine falls back to the pure-torch path, with a warning.
+The build is cached per source, torch installation and CPU (it is compiled with
+``-march=native``, so a cache made on one CPU is never loaded on another; two virtualenvs get
+two entries, as their build files name their own headers). Where no compiler is available the
+engine falls back to the pure-torch path, with a warning.
+
+One process builds an entry at a time, under an ``fcntl`` lock that the kernel releases when
+its holder dies; torch's own lock file, which a killed builder leaves behind (and which would
+make every later build wait for ever), is removed by whoever holds that lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import sys
+import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,25 +46,59 @@ class NativeKernelsUnavailable(RuntimeError):
     pass
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags: what -march=native compiles for."""
+def _cpuinfo_field(name: str) -> str:
+    """A field of /proc/cpuinfo's first processor ("" where there is none)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    return model + flags
+        return ""
+    line = next((ln for ln in info.splitlines() if ln.startswith(name)), "")
+    return line.partition(":")[2].strip()
+
+
+def _cpu_name() -> str:
+    return _cpuinfo_field("model name") or platform.processor()
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags: what -march=native compiles for."""
+    return _cpu_name() + " " + _cpuinfo_field("flags")
 
 
 def _build_key() -> str:
+    from torch.utils import cpp_extension
+
     h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update((_CSRC / name).read_bytes())
     h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
+    # What the generated build file names: this torch's headers and this Python's.
+    h.update(" ".join(cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]).encode())
     h.update(_cpu_signature().encode())
     return h.hexdigest()[:16]
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("TRAVELATOR_KERNEL_CACHE", Path.home() / ".cache" / "travelator" / "kernels"))
+
+
+@contextlib.contextmanager
+def _building(build_dir: Path) -> Iterator[None]:
+    """Hold the entry's build lock (waiting, said once, while another process builds it); with
+    it held, no live process is building here, so torch's lock file is a dead builder's."""
+    with open(build_dir / "travelator.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"travelator: waiting for another process building the native kernels in {build_dir}",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,20 +110,24 @@ def load() -> None:
     from torch.utils import cpp_extension
 
     key = _build_key()
-    root = Path(os.environ.get("TRAVELATOR_KERNEL_CACHE", Path.home() / ".cache" / "travelator" / "kernels"))
-    build_dir = root / key
-    build_dir.mkdir(parents=True, exist_ok=True)
+    name = f"travelator_kernels_{key}"
+    build_dir = _cache_root() / key
     try:
-        cpp_extension.load(
-            name=f"travelator_kernels_{key}",
-            sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, headers or ninja: the caller falls back
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _building(build_dir):
+            if not (build_dir / f"{name}.so").exists():
+                print(f"travelator: building the native kernels for this CPU ({_cpu_name()}): about a minute, "
+                      f"once (cached in {build_dir})", file=sys.stderr, flush=True)
+            cpp_extension.load(
+                name=name,
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as exc:  # no compiler, headers or ninja, an unwritable cache: the caller falls back
         raise NativeKernelsUnavailable(f"native kernels could not be built: {exc}") from exc
 
 

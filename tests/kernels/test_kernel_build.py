@@ -1,0 +1,75 @@
+"""The native kernels' build cache: a builder killed midway leaves torch's lock file behind,
+and the next start must still build (or load) and run; the cache key follows what the build
+file names (this torch's and this Python's headers)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from travelator import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native kernels do not build here")
+
+# Loads the kernels and runs one of them: rms_norm of ones is ones.
+RUN = ("import torch; from travelator import kernels; kernels.load(); "
+       "print(float(torch.ops.travelator.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6).sum()))")
+
+
+def start(cache: Path, code: str) -> subprocess.Popen:
+    env = {**os.environ, "TRAVELATOR_KERNEL_CACHE": str(cache)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"no result within {timeout} s: {err[-2000:]}")
+    assert proc.returncode == 0, err[-2000:]
+    return out, err
+
+
+def test_a_dead_builders_lock_file_does_not_stop_the_next_start(tmp_path):
+    """The cached build, with torch's lock file left in it as a killed builder leaves it: the
+    next start loads the kernels at once instead of waiting on the file for ever."""
+    entry = Path(kernels._cache_root()) / kernels._build_key()
+    shutil.copytree(entry, tmp_path / entry.name, ignore=shutil.ignore_patterns("lock", "travelator.lock"))
+    (tmp_path / entry.name / "lock").touch()
+    out, err = finish(start(tmp_path, RUN), timeout=120)
+    assert float(out) == pytest.approx(16.0, rel=1e-5)
+    assert "building" not in err  # loaded from the cache
+
+
+def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
+    first = start(tmp_path, "from travelator import kernels; kernels.load()")
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/lock")):  # torch's lock: the compile is under way
+        assert first.poll() is None and time.monotonic() < deadline, "the build never started"
+        time.sleep(0.2)
+    time.sleep(3)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.communicate()
+    assert list(tmp_path.glob("*/lock")) and not list(tmp_path.glob("*/*.so"))  # killed midway
+    out, err = finish(start(tmp_path, RUN), timeout=540)
+    assert float(out) == pytest.approx(16.0, rel=1e-5)
+    assert "building the native kernels for this CPU" in err
+
+
+def test_the_cache_key_follows_the_headers_the_build_names(monkeypatch):
+    from torch.utils import cpp_extension
+
+    key = kernels._build_key()
+    paths = cpp_extension.include_paths()
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/another/venv/include"] + paths)
+    assert kernels._build_key() != key
