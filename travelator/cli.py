@@ -50,7 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-        grammar_compile_timeout_s=args.grammar_compile_timeout, tool_call_parser=args.tool_call_parser,
+        grammar_compile_timeout_s=args.grammar_compile_timeout, max_constraint_bytes=args.max_constraint_bytes,
+        tool_call_parser=args.tool_call_parser,
         dashboard=not args.no_dashboard, dashboard_show_prompts=args.dashboard_show_prompts,
     )
     if args.enable_debug_endpoints:
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                      help="seconds a request's output constraint (JSON schema, regex, grammar, forced "
                           "tool call) may take to compile; past it the request gets a 400 (default 10)")
+    srv.add_argument("--max-constraint-bytes", type=int, default=256 << 10,
+                     help="largest output constraint compiled, as sent (JSON schema, regex, grammar, forced "
+                          "tool call); past it the request gets a 400 before any work (default 262144)")
     srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
                      help="how tool calls are read out of the text with tool_choice auto: Hermes "
                           "<tool_call> tags or Llama 3 JSON (default: auto, from the chat template)")

@@ -211,6 +211,52 @@ def test_grammar_compile_time_limit_and_shared_templates(monkeypatch):
         assert client.completions.create(model="stories", prompt="Once", max_tokens=3).choices[0].text
 
 
+def huge_schema(properties: int, tag: str) -> dict:
+    """A JSON schema whose compile takes seconds (its time grows faster than its size)."""
+    names = [f"{tag}{i}" for i in range(properties)]
+    return {"type": "object", "required": names,
+            "properties": {n: {"type": "string", "pattern": "^[a-z]{3,40}$"} for n in names}}
+
+
+def test_runaway_schemas_leave_the_compile_threads_to_others():
+    """Two schemas of 1 MB (each seconds to compile, on the two compile threads, past the
+    wait limit) get a 400 naming the field before any work; a normal constrained request sent
+    right after is served in its usual time, not behind them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm = LLM(str(STORIES), dtype="float32")
+    app = build_app(AsyncEngine(llm.engine), ServerSettings(served_model_names=["stories"]))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+        def constrained(schema: dict):
+            return client.completions.create(model="stories", prompt="Once", max_tokens=4, extra_body={
+                "structured_outputs": {"json": schema}})
+
+        small = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+        t0 = time.perf_counter()
+        constrained(small)
+        usual = time.perf_counter() - t0
+
+        def runaway(tag: str) -> str:
+            try:
+                constrained(huge_schema(16000, tag))
+            except openai.BadRequestError as err:
+                return err.body["param"] + ": " + err.body["message"]
+            return "served"
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = pool.map(runaway, ["a", "b"])
+            time.sleep(0.5)  # both runaways in
+            t0 = time.perf_counter()
+            small["properties"]["b"] = {"enum": [3]}  # not compiled yet
+            constrained(small)
+            took = time.perf_counter() - t0
+            answers = list(answers)
+    assert all(a.startswith("structured_outputs: ") and "bytes" in a for a in answers), answers
+    assert took < 3 * usual + 1.0, (took, usual)
+
+
 def test_a_token_its_grammar_refuses_fails_that_request_alone(monkeypatch):
     # With the masks switched off, the model writes what it likes: the grammar refuses the
     # first token, and that request alone ends with an error in that very step.

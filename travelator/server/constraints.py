@@ -3,7 +3,10 @@
 worker thread, never on the event loop or the engine's step thread.
 
 A request whose constraint is compiling waits for it alone; other requests go on. A constraint
-that does not compile, or takes longer than the server's time limit, is a 400 naming the field.
+larger than the server's size bound, that does not compile, or that takes longer than the
+server's time limit, is a 400 naming the field. The time limit ends the wait, not the compile
+(a thread cannot be stopped); the size bound, checked before any work, is what keeps a compile
+from holding its thread for long.
 Compiled constraints are kept (least recently used out first), keyed by what the client sent,
 so a schema sent again costs nothing; the engine's GrammarCompiler keeps the compiled matcher.
 """
@@ -87,9 +90,10 @@ class ConstraintCompiler:
     loop, nor the engine, nor (beyond those threads) other requests' compiles. Requests that
     send a constraint already compiling wait for that one compile."""
 
-    def __init__(self, grammars: GrammarCompiler, timeout_s: float, cache_size: int = 256) -> None:
+    def __init__(self, grammars: GrammarCompiler, timeout_s: float, max_bytes: int, cache_size: int = 256) -> None:
         self._grammars = grammars
         self._timeout_s = timeout_s
+        self._max_bytes = max_bytes
         self._cache_size = cache_size
         self._compiled: OrderedDict[str, StructuredOutput] = OrderedDict()
         self._compiling: dict[str, asyncio.Future[StructuredOutput]] = {}
@@ -99,6 +103,10 @@ class ConstraintCompiler:
         if spec is None:
             return None
         key = spec.key
+        size = len(key.encode())
+        if size > self._max_bytes:
+            raise APIError(400, f"the {spec.param} constraint is {size} bytes; this server compiles constraints "
+                                f"of up to {self._max_bytes} (--max-constraint-bytes)", param=spec.param)
         structured = self._compiled.get(key)
         if structured is not None:
             self._compiled.move_to_end(key)

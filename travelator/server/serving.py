@@ -69,7 +69,8 @@ class OpenAIServing:
         self.draining = False
         self.on_shutdown: list[Callable[[], None]] = []  # run (on the event loop) when draining begins
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.constraints = ConstraintCompiler(self.model.grammars, settings.grammar_compile_timeout_s)
+        self.constraints = ConstraintCompiler(self.model.grammars, settings.grammar_compile_timeout_s,
+                                              settings.max_constraint_bytes)
         self.tool_call_format: ToolCallFormat = (
             detect_tool_call_format(self.tokenizer.chat_template) if settings.tool_call_parser == "auto"
             else settings.tool_call_parser)

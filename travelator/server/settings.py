@@ -48,6 +48,11 @@ class ServerSettings:
     # worker thread before its request reaches the engine; past this many seconds the request
     # gets a 400. Compiled grammars are kept for later requests that use the same one.
     grammar_compile_timeout_s: float = 10.0
+    # The largest constraint compiled (its JSON as sent, bytes): a 400 past it, before any work.
+    # A compile cannot be stopped once started, and its time grows faster than its size
+    # (docs/design.md, Structured outputs), so the size bound is what keeps a few huge schemas
+    # from holding both compile threads for minutes.
+    max_constraint_bytes: int = 256 << 10
     # How tool calls are read out of a model's text with tool_choice "auto": "hermes"
     # (<tool_call>{...}</tool_call>), "llama3_json" ({"name": ..., "parameters": ...}), or
     # "auto": from the chat template (Hermes tags where it has them).
@@ -70,6 +75,8 @@ class ServerSettings:
             raise ValueError(f"shutdown_grace_s must be non-negative, got {self.shutdown_grace_s}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
+        if self.max_constraint_bytes < 1024:
+            raise ValueError(f"max_constraint_bytes must be at least 1024, got {self.max_constraint_bytes}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
