@@ -17,8 +17,8 @@ import torch
 
 from travelator.model.attention import AttentionMetadata
 from travelator.model.layers import RotaryEmbedding
-from travelator.model.linear_route import LinearRoute
 from travelator.model.moe import SparseMoE
+from travelator.model.native_linear import StreamingLinears
 
 
 # Families whose layers the native stack does not run: Gemma 3's sandwich norms, two ropes and
@@ -60,7 +60,8 @@ class LayerStack:
             return None
         if arch.num_experts and not hasattr(torch.ops.travelator, "moe_experts"):
             return None
-        norms, head_norms, tensors, ints, windows, kinds, experts = [], [], [], [], [], set(), []
+        norms, head_norms, windows, experts = [], [], [], []
+        linears = StreamingLinears()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_norm.weight, layer.post_attn_norm.weight]
@@ -72,13 +73,11 @@ class LayerStack:
                 spec = ops.streaming_linear(weight, bias)
                 if spec is None or (not spec.quantized and model.dtype != torch.bfloat16):
                     return None
-                tensors += [spec.a, spec.b, spec.bias]
-                ints += [int(spec.route), spec.group, spec.out_features]
-                kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
+                linears.append(spec)
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn
-        return LayerStack(norms, head_norms, tensors, ints, windows, experts, arch.experts_per_token, arch.norm_topk_prob,
-                          frozenset(kinds), model.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
+        return LayerStack(norms, head_norms, linears.tensors, linears.ints, windows, experts, arch.experts_per_token,
+                          arch.norm_topk_prob, frozenset(linears.row_kinds), model.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
                           model.layers[0].input_norm.eps, first.attn.scale)
 
     def covers(self, ops, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

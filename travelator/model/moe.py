@@ -31,7 +31,7 @@ from torch import nn
 
 from travelator.model.arch import ModelArch
 from travelator.model.blocks import param
-from travelator.model.linear_route import LinearRoute
+from travelator.model.native_linear import StreamingLinears
 from travelator.model.ops import TorchOps
 from travelator.model.tp_group import TPGroup
 
@@ -64,19 +64,15 @@ class ExpertStack:
     row_kinds: frozenset[tuple[bool, bool]]  # (quantized, int8) of its weights, as streaming_rows takes them
 
     @staticmethod
-    def of(ops: TorchOps, experts: nn.ModuleList) -> ExpertStack | None:
-        tensors: list[torch.Tensor | None] = []
-        ints: list[int] = []
-        kinds = set()
+    def of(ops: TorchOps, experts: list[Expert]) -> ExpertStack | None:
+        linears = StreamingLinears()
         for expert in experts:
             for weight, bias in ((expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, expert.down_bias)):
                 spec = ops.streaming_linear(weight, bias)
                 if spec is None:
                     return None
-                tensors += [spec.a, spec.b, spec.bias]
-                ints += [int(spec.route), spec.group, spec.out_features]
-                kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
-        return ExpertStack(tensors, ints, frozenset(kinds))
+                linears.append(spec)
+        return ExpertStack(linears.tensors, linears.ints, frozenset(linears.row_kinds))
 
     def covers(self, ops: TorchOps, rows: int) -> bool:
         """Whether the native call serves a step whose busiest expert has ``rows`` rows: bf16

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -83,6 +83,23 @@ class StreamingLinear:
     def quantized(self) -> bool:
         """Whether its rows are bounded by the quantized kernel's (``streaming_rows``)."""
         return self.route.quantized
+
+
+@dataclass(slots=True)
+class StreamingLinears:
+    """Linear layers in the encoding the native calls read (csrc/streaming_linear.h): layer i
+    is entries 3i..3i+2 of ``tensors`` (a, b, bias) and of ``ints`` (route, group, out
+    features); ``row_kinds``: the kinds of weights held, (quantized, int8), as
+    ``streaming_rows`` takes them (their row limits differ)."""
+
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    ints: list[int] = field(default_factory=list)
+    row_kinds: set[tuple[bool, bool]] = field(default_factory=set)
+
+    def append(self, spec: StreamingLinear) -> None:
+        self.tensors += [spec.a, spec.b, spec.bias]
+        self.ints += [int(spec.route), spec.group, spec.out_features]
+        self.row_kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
 
 
 class NativeLinear:

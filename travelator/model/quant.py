@@ -373,27 +373,7 @@ def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
         codes = np.concatenate([blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4], axis=-1).reshape(rows, cols)
         return mxfp4_blocks(torch.from_numpy(codes), torch.from_numpy(blocks[..., 0].copy()))
     if kind in ("q4_k", "q6_k"):
-        supers = cols // GGUF_SUPER
-        b = data.reshape(rows, supers, -1)
-        if kind == "q4_k":
-            d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
-            packed = b[..., 4:16].reshape(rows, supers, 3, 4)  # 6-bit scales and minimums
-            lo, mid, hi = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-            sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
-            mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1).astype(np.float32)
-            qs = b[..., 16:].reshape(rows, supers, 4, 32)
-            codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)  # (chunk, half, j)
-            scale = (d[..., None] * sc).reshape(rows, -1)  # exact in float32
-            zero = 8 * scale - (dmin[..., None] * mn).reshape(rows, -1)  # w = (q - 8) scale + zero
-            return BlockQuantized(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale),
-                                  torch.from_numpy(zero.astype(np.float32)))
-        ql, qh = b[..., :128].reshape(rows, supers, 2, 1, 64), b[..., 128:192].reshape(rows, supers, 2, 1, 32)
-        low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [.., half, 2, 64]
-        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [.., half, 4, 32]
-        q = low.reshape(rows, supers, 2, 4, 32) | (high << 4)
-        codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
-        scale = b[..., 192:208].copy().view(np.int8).astype(np.float32) * _fp16(b[..., 208:210])[..., None]
-        return BlockQuantized(kind, torch.from_numpy(codes), torch.from_numpy(scale.reshape(rows, -1)))
+        return _parse_k_quants(data, kind, rows, cols)
     head = {"q8_0": 2, "q4_0": 2, "q4_1": 4}[kind]
     payload = GGUF_BLOCK if kind == "q8_0" else GGUF_BLOCK // 2
     blocks = data.reshape(rows, cols // GGUF_BLOCK, head + payload)
@@ -409,3 +389,30 @@ def parse_gguf_blocks(raw, kind: str, rows: int, cols: int) -> BlockQuantized:
         m = _fp16(blocks[..., 2:4])
         zero = m + 8 * d
     return BlockQuantized(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def _parse_k_quants(data, kind: str, rows: int, cols: int) -> BlockQuantized:
+    """Q4_K / Q6_K super-blocks (see parse_gguf_blocks)."""
+    import numpy as np
+
+    supers = cols // GGUF_SUPER
+    b = data.reshape(rows, supers, -1)
+    if kind == "q4_k":
+        d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+        packed = b[..., 4:16].reshape(rows, supers, 3, 4)  # 6-bit scales and minimums
+        lo, mid, hi = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+        sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
+        mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1).astype(np.float32)
+        qs = b[..., 16:].reshape(rows, supers, 4, 32)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)  # (chunk, half, j)
+        scale = (d[..., None] * sc).reshape(rows, -1)  # exact in float32
+        zero = 8 * scale - (dmin[..., None] * mn).reshape(rows, -1)  # w = (q - 8) scale + zero
+        return BlockQuantized(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale),
+                              torch.from_numpy(zero.astype(np.float32)))
+    ql, qh = b[..., :128].reshape(rows, supers, 2, 1, 64), b[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [.., half, 2, 64]
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03  # [.., half, 4, 32]
+    q = low.reshape(rows, supers, 2, 4, 32) | (high << 4)
+    codes = (q.astype(np.int16) - 32).astype(np.int8).reshape(rows, cols)
+    scale = b[..., 192:208].copy().view(np.int8).astype(np.float32) * _fp16(b[..., 208:210])[..., None]
+    return BlockQuantized(kind, torch.from_numpy(codes), torch.from_numpy(scale.reshape(rows, -1)))
