@@ -1,4 +1,5 @@
-"""Request bodies, read with a bound (413 past it) before anything else looks at them."""
+"""Request bodies, read with a bound (413 past it) before anything else looks at them: the API's
+JSON bodies and the live view's login form alike."""
 
 from __future__ import annotations
 
