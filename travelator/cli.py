@@ -40,6 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from travelator import LLM
     from travelator.engine.async_engine import AsyncEngine
     from travelator.server.app import build_app
+    from travelator.server.auth import is_loopback
     from travelator.server.run import run_server
     from travelator.server.settings import ServerSettings
 
@@ -76,6 +77,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"(context {client.served_model.max_model_len} tokens{layout}; {auth})", file=sys.stderr, flush=True)
     if settings.dashboard and args.disaggregate is None:
         print(f"live view: http://{args.host}:{args.port}/dashboard", file=sys.stderr, flush=True)
+        if settings.api_key is None and not is_loopback(args.host):
+            logging.getLogger(__name__).warning(
+                "listening on %s without an API key: the live view answers clients on this machine "
+                "only (403 to others); start with --api-key to show it to them", args.host)
     return run_server(app, args.host, args.port, log_level=args.log_level.lower(),
                       access_log=args.access_log)
 

@@ -11,12 +11,14 @@ import threading
 import time
 
 import httpx
+import pytest
 from live import serve_in_thread
 from paths import STORIES, needs_stories
 
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
+from travelator.server.process import ServerProcess, free_port, serve_command
 from travelator.server.settings import ServerSettings
 
 ENGINE = dict(dtype="float32", max_num_seqs=2, block_size=8)
@@ -146,6 +148,58 @@ def test_the_dashboard_needs_the_key_when_the_server_has_one():
             assert stream.status_code == 200
             assert read_events(stream, lambda ev: True)[0][0] == "info"
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the API is as closed as before
+        # The login form is one field: a body past 4 KiB is refused, whether it says its
+        # length or streams without one, before it is read in full.
+        huge = {"key": "x" * 8192}
+        assert httpx.post(f"{url}/dashboard/login", data=huge).status_code == 413
+        chunks = (b"key=" + b"x" * 1024 for _ in range(64))
+        too_long = httpx.post(f"{url}/dashboard/login", content=chunks,
+                              headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "request_too_large"
+
+
+@needs_stories
+def test_without_a_key_only_this_machine_sees_it():
+    """Clients on this machine see the live view of a server without a key; others get a 403
+    (here: a proxy on this machine forwarding a remote client, which uvicorn reports)."""
+    remote = {"X-Forwarded-For": "203.0.113.7"}
+    with serve() as url:
+        assert httpx.get(f"{url}/dashboard").status_code == 200
+        assert httpx.get(f"{url}/dashboard/info").status_code == 200
+        for path in ("", "/stream", "/info"):
+            r = httpx.get(f"{url}/dashboard{path}", headers=remote)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "dashboard_local_only", path
+            assert "--api-key" in r.json()["error"]["message"]
+        assert complete(url, "Once upon a time", 2, headers=remote).status_code == 200  # the API: open
+
+
+def _network_address() -> str | None:
+    """This machine's address on its default route, if it has one (nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: any routed address will do
+        except OSError:
+            return None
+        host = s.getsockname()[0]
+    return None if host.startswith("127.") or host == "0.0.0.0" else host
+
+
+@needs_stories
+def test_serving_the_network_without_a_key_warns_and_keeps_the_view_local(tmp_path):
+    host = _network_address()
+    if host is None:
+        pytest.skip("this machine has no network address besides loopback")
+    port = free_port(host)
+    server = ServerProcess(serve_command(["--model", str(STORIES), "--dtype", "float32"], port, host), port,
+                           host=host, env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path / "serve.log")
+    try:
+        server.start(timeout=120)
+        assert "the live view answers clients on this machine only" in server.log_text()
+        page = httpx.get(f"{server.base_url}/dashboard")  # from this machine, but not over loopback
+        assert page.status_code == 403 and page.json()["error"]["code"] == "dashboard_local_only"
+        assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+    finally:
+        server.close()
 
 
 @needs_stories

@@ -8,7 +8,10 @@ connections open. ``?after=N`` resumes after record N (an EventSource sends
 fills at once.
 
 With an API key, both need it: ``Authorization: Bearer <key>``, or the cookie the page's login
-form sets (the key is asked for once; the cookie holds an HMAC of it, never the key).
+form sets (the key is asked for once; the cookie holds an HMAC of it, never the key). Without
+one, they answer only clients on this machine (loopback; behind a proxy that sends
+X-Forwarded-For, uvicorn reports the proxy's client): a server listening on the network
+without a key shows its batch, queue and prompts to nobody else (403).
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 from travelator.dashboard.feed import StepFeed
 from travelator.dashboard.page import login_page, render_page
-from travelator.server.auth import bearer_matches
+from travelator.server.auth import bearer_matches, is_loopback
+from travelator.server.body import read_bounded
 from travelator.server.errors import APIError
 
 COOKIE = "travelator_dashboard"
 HEARTBEAT_S = 15.0
 BATCH_S = 0.05  # a stream sends at most 20 writes a second, each with every step since the last
 BACKLOG = 300
+LOGIN_BODY_BYTES = 4096  # the login form: one field, the key
 
 
 class DashboardAuth:
@@ -40,12 +45,21 @@ class DashboardAuth:
         self.cookie = None if api_key is None else hmac.new(
             secrets.token_bytes(32), api_key.encode(), hashlib.sha256).hexdigest()
 
-    def allowed(self, request: Request) -> bool:
+    def refusal(self, request: Request) -> APIError | None:
+        """Why ``request`` may not see the live view: a 403 (no key, not this machine), a 401
+        (no or wrong key); None when it may."""
         if self.api_key is None:
-            return True
+            if is_loopback(request.client.host if request.client is not None else None):
+                return None
+            return APIError(403, "the server has no API key, so the live view is open to this machine "
+                                 "only; start it with --api-key to show it to others (the page then "
+                                 "asks for the key)", code="dashboard_local_only")
         if bearer_matches(request.headers.get("authorization", ""), self.api_key):
-            return True
-        return secrets.compare_digest(request.cookies.get(COOKIE, "").encode(), self.cookie.encode())
+            return None
+        if secrets.compare_digest(request.cookies.get(COOKIE, "").encode(), self.cookie.encode()):
+            return None
+        return APIError(401, "missing or wrong API key: log in at /dashboard, or send "
+                             "'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def check_key(self, key: str) -> bool:
         return self.api_key is not None and secrets.compare_digest(key.encode(), self.api_key.encode())
@@ -61,15 +75,18 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
     async def page(request: Request) -> Response:
         if unavailable is not None:
             raise APIError(404, unavailable, code="dashboard_unavailable")
-        if not auth.allowed(request):
+        refusal = auth.refusal(request)
+        if refusal is not None and refusal.status == 401:
             return HTMLResponse(login_page(), status_code=401)
+        if refusal is not None:
+            raise refusal
         return HTMLResponse(render_page(), headers={"Cache-Control": "no-store"})
 
     @router.post("/login")
     async def login(request: Request) -> Response:
         if auth.api_key is None:
             return RedirectResponse("/dashboard", status_code=303)
-        body = (await request.body())[:4096].decode("utf-8", "replace")
+        body = (await read_bounded(request, LOGIN_BODY_BYTES)).decode("utf-8", "replace")
         key = parse_qs(body).get("key", [""])[0]
         if not auth.check_key(key):
             return HTMLResponse(login_page(error="That key is not the server's."), status_code=401)
@@ -78,12 +95,11 @@ def dashboard_routes(feed: StepFeed, info: dict, api_key: str | None, unavailabl
         return response
 
     def require_access(request: Request) -> None:
-        """The data endpoints: 404 without a live view, 401 without the key."""
+        """The data endpoints: 404 without a live view, else as ``DashboardAuth.refusal``."""
         if unavailable is not None:
             raise APIError(404, unavailable, code="dashboard_unavailable")
-        if not auth.allowed(request):
-            raise APIError(401, "missing or wrong API key: log in at /dashboard, or send "
-                                "'Authorization: Bearer <key>'", code="invalid_api_key")
+        if (refusal := auth.refusal(request)) is not None:
+            raise refusal
 
     @router.get("/stream")
     async def stream(request: Request) -> Response:

@@ -182,7 +182,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. `add_special_tokens` adds BOS/EOS as the model's post-processor
         says; use `False` for rendered chat prompts, which already contain them."""
-        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call drops the GIL while it encodes (`encode` holds it: seconds for a
+        # megabyte prompt, during which no other thread runs); "fast" skips the offsets.
+        ids = self._tk.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         if self._encode_limit is not None:
             ids = [i if i < self._encode_limit else 0 for i in ids]
         return ids

@@ -19,7 +19,7 @@ With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>`` (
 ``/health`` and ``/metrics`` stay open for probes and scrapers. Every error is an OpenAI-style
 JSON body (see ``errors.py``).
 
-The completion endpoints read and validate their bodies themselves (``read_body``), so the
+The completion endpoints read and validate their bodies themselves (``body.py``), so the
 OpenAPI schema is told about the bodies explicitly (``_body_schema``): clients and fuzzers
 (tests/server/test_fuzz_api.py) generate requests from ``/openapi.json``.
 """
@@ -34,18 +34,18 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.requests import ClientDisconnect
 
 from travelator.dashboard.feed import StepFeed
 from travelator.dashboard.routes import dashboard_routes
 from travelator.dashboard.walkway import WalkwayRecorder
 from travelator.engine.client import EngineClient
 from travelator.server.auth import bearer_matches
+from travelator.server.body import read_body
 from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
-from travelator.server.errors import APIError, from_validation_error, install_error_handlers
+from travelator.server.errors import APIError, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from travelator.server.protocol import (
     ChatCompletionRequest,
@@ -61,6 +61,7 @@ from travelator.server.protocol import (
 from travelator.server.responses import create_response
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
+from travelator.server.streaming import json_response
 from travelator.server.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -74,33 +75,6 @@ from travelator.server.tokenize import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_app", "ServerSettings"]
-
-
-async def read_body(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """Read at most ``limit`` bytes (413 past it) and validate them as ``model`` (400 if bad).
-
-    The body is parsed here rather than by FastAPI so that any content type is read as JSON
-    (``curl -d`` sends form encoding by default) and every failure has the OpenAI error shape.
-    """
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the request body is {length} bytes, more than the limit of {limit}",
-                       code="request_too_large")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"the request body is more than the limit of {limit} bytes",
-                               code="request_too_large")
-    except ClientDisconnect:
-        raise APIError(400, "the client disconnected while sending the body") from None
-    if not body:
-        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 _REF = "#/components/schemas/{model}"
@@ -168,6 +142,7 @@ def build_app(client: EngineClient, settings: ServerSettings | None = None) -> F
             yield
         finally:
             feed.close()
+            serving.preprocessor.close()
             serving.draining = True
             client.stop_accepting()
             client.abort_all()
@@ -217,18 +192,19 @@ def _dashboard(client: EngineClient, settings: ServerSettings, metrics: ServerMe
 def _tokenizer_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     """vLLM's /tokenize, /detokenize, /tokenizer_info and /version (outside /v1, as vLLM
     serves them)."""
-    limit = serving.settings.max_body_bytes
+    limit, preprocessor = serving.settings.max_body_bytes, serving.preprocessor
     router = APIRouter(dependencies=[Depends(require_api_key)])
 
+    # The answer is written on the worker too: a megabyte prompt's ids are a long JSON array.
     @router.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest, TokenizeResponse))
     async def tokenize_route(request: Request) -> Response:
-        req = await read_body(request, TokenizeRequest, limit)
-        return JSONResponse(tokenize(serving, req.root).model_dump())
+        req = await read_body(request, TokenizeRequest, limit, preprocessor)
+        return await preprocessor.run(lambda: json_response(tokenize(serving, req.root)))
 
     @router.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest, DetokenizeResponse))
     async def detokenize_route(request: Request) -> Response:
-        req = await read_body(request, DetokenizeRequest, limit)
-        return JSONResponse(detokenize(serving, req).model_dump())
+        req = await read_body(request, DetokenizeRequest, limit, preprocessor)
+        return await preprocessor.run(lambda: json_response(detokenize(serving, req)))
 
     @router.get("/tokenizer_info")
     async def tokenizer_info_route() -> Response:
@@ -258,22 +234,22 @@ def _api_key_check(settings: ServerSettings):
 def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     """The OpenAI API: completions, chat completions, models."""
     model = serving.model
-    limit = serving.settings.max_body_bytes
+    limit, preprocessor = serving.settings.max_body_bytes, serving.preprocessor
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
     @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
-        req = await read_body(request, CompletionRequest, limit)
+        req = await read_body(request, CompletionRequest, limit, preprocessor)
         return await create_completion(serving, req, request)
 
     @v1.post("/responses", openapi_extra=_body_schema(ResponsesRequest, ResponseObject))
     async def responses(request: Request) -> Response:
-        req = await read_body(request, ResponsesRequest, limit)
+        req = await read_body(request, ResponsesRequest, limit, preprocessor)
         return await create_response(serving, req, request)
 
     @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
-        req = await read_body(request, ChatCompletionRequest, limit)
+        req = await read_body(request, ChatCompletionRequest, limit, preprocessor)
         return await create_chat_completion(serving, req, request)
 
     def card(name: str) -> ModelCard:

@@ -110,8 +110,10 @@ def render_messages(serving: OpenAIServing, chat_messages: list[ChatMessage],
         raise APIError(400, str(exc), param=exc.param) from None
 
 
-def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None,
-           structured: StructuredOutput | None) -> ChatRun:
+def _prepare(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan | None,
+             structured: StructuredOutput | None) -> ChatRun:
+    """Everything before the engine: rendered, tokenised, validated, not yet queued (a
+    preprocessing worker)."""
     model = serving.resolve_model(req.model)
     prompt = _prompt(serving, req, tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -127,7 +129,7 @@ def _start(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan |
         params.skip_special_tokens = False  # the structural tokens must reach the reader
         if not req.ignore_eos:
             params.stop_token_ids += [t for t in harmony.stop_token_ids if t not in params.stop_token_ids]
-    gen = serving.start([prompt], params, req, "messages", "chatcmpl")
+    gen = serving.prepare([prompt], params, req, "messages", "chatcmpl")
     texts = None
     if req.logprobs:
         texts = [TokenTexts(serving.tokenizer, prompt.token_ids, params.skip_special_tokens)
@@ -141,8 +143,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
                                  request: Request) -> Response:
     serving.resolve_model(req.model)  # a 404 before any compile
     tools = plan_tools(req, serving.tool_call_format)
-    run = _start(serving, req, tools, await serving.constraints.compile(
-        constraint_spec(req, tools.forced_schema() if tools is not None else None)))
+    structured = await serving.constraints.compile(
+        constraint_spec(req, tools.forced_schema() if tools is not None else None))
+    run = await serving.preprocessor.run(_prepare, serving, req, tools, structured)
+    serving.launch(run.gen)
     if req.stream:
         return event_stream(run.gen, _stream(run))
     lps: list[list[ChatTokenLogprob]] = [[] for _ in range(run.n)]

@@ -79,7 +79,8 @@ def _prompts(serving: OpenAIServing, prompt) -> list[EnginePrompt]:
     return prompts
 
 
-def _start(serving: OpenAIServing, req: CompletionRequest, structured: StructuredOutput | None) -> CompletionRun:
+def _prepare(serving: OpenAIServing, req: CompletionRequest, structured: StructuredOutput | None) -> CompletionRun:
+    """Everything before the engine: tokenised, validated, not yet queued (a preprocessing worker)."""
     model = serving.resolve_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -92,7 +93,7 @@ def _start(serving: OpenAIServing, req: CompletionRequest, structured: Structure
     wanted = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs) if n is not None]
     params = serving.sampling_params(req, max_tokens, req.logprobs,
                                      prompt_logprobs=max(wanted) if wanted else None, structured=structured)
-    gen = serving.start(prompts, params, req, "prompt", "cmpl")
+    gen = serving.prepare(prompts, params, req, "prompt", "cmpl")
     echo_texts = None
     if req.echo:
         echo_texts = [p.text if p.text is not None else serving.tokenizer.decode(p.token_ids)
@@ -109,7 +110,9 @@ def _start(serving: OpenAIServing, req: CompletionRequest, structured: Structure
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, request: Request) -> Response:
     serving.resolve_model(req.model)  # a 404 before any compile
-    run = _start(serving, req, await serving.constraints.compile(constraint_spec(req)))
+    structured = await serving.constraints.compile(constraint_spec(req))
+    run = await serving.preprocessor.run(_prepare, serving, req, structured)
+    serving.launch(run.gen)
     if req.stream:
         return event_stream(run.gen, _stream(run))
     builders = run.logprobs

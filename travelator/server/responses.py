@@ -75,7 +75,9 @@ def _messages(req: ResponsesRequest) -> list[ChatMessage]:
     return messages
 
 
-def _start(serving: OpenAIServing, req: ResponsesRequest, structured: StructuredOutput | None) -> ResponseRun:
+def _prepare(serving: OpenAIServing, req: ResponsesRequest, structured: StructuredOutput | None) -> ResponseRun:
+    """Everything before the engine: rendered, tokenised, validated, not yet queued (a
+    preprocessing worker)."""
     model = serving.resolve_model(req.model)
     if req.previous_response_id is not None:
         raise APIError(400, "responses are not stored here, so previous_response_id cannot be used; "
@@ -89,13 +91,15 @@ def _start(serving: OpenAIServing, req: ResponsesRequest, structured: Structured
     if not prompt.token_ids:
         raise APIError(400, "the input renders to an empty prompt", param="input")
     params = serving.sampling_params(req, req.max_output_tokens, None, structured=structured)
-    gen = serving.start([prompt], params, req, "input", "resp")
+    gen = serving.prepare([prompt], params, req, "input", "resp")
     return ResponseRun(gen, req, model, prompt)
 
 
 async def create_response(serving: OpenAIServing, req: ResponsesRequest, request: Request) -> Response:
     serving.resolve_model(req.model)  # a 404 before any compile
-    run = _start(serving, req, await serving.constraints.compile(structured_outputs_spec(req.structured_outputs)))
+    structured = await serving.constraints.compile(structured_outputs_spec(req.structured_outputs))
+    run = await serving.preprocessor.run(_prepare, serving, req, structured)
+    serving.launch(run.gen)
     if req.stream:
         return event_stream(run.gen, _stream(run))
     finals = await serving.collect(request, run.gen, 1, lambda i, out: None)

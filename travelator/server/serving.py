@@ -1,11 +1,12 @@
 """What the OpenAI endpoints share: the model name, admission, sampling parameters, prompt
 checks, starting a generation, usage, collecting a non-streamed answer, and shutdown.
 
-The endpoints themselves are in completions.py and chat.py. Everything here runs on the event
-loop thread and touches the engine only through its ``EngineClient`` (``engine/client.py``):
-``make_request`` validates and tokenises without changing engine state, ``submit`` queues what
-it made, and ``snapshot`` reads the queues. A request's sub-requests are all validated before
-any is queued, and the requests validated are the ones queued.
+The endpoints themselves are in completions.py, chat.py and responses.py. Each prepares its
+request on a preprocessing worker (``preprocess.py``): the prompt rendered and tokenised, the
+engine requests made by the ``EngineClient`` (``engine/client.py``), whose ``make_request``
+validates without changing engine state. Back on the event loop, ``launch`` admits them and
+``submit``s them all; ``snapshot`` reads the queues. A request's sub-requests are all validated
+before any is queued, and the requests validated are the ones queued.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.harmony import HarmonyFormat, detect_harmony
 from travelator.server.metrics import ServerMetrics
+from travelator.server.preprocess import Preprocessor
 from travelator.server.protocol import PromptTokensDetails, SamplingFields, Usage, random_id
 from travelator.server.settings import ServerSettings
 from travelator.server.streaming import unless_disconnected
@@ -71,6 +73,7 @@ class OpenAIServing:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.constraints = ConstraintCompiler(self.model.grammars, settings.grammar_compile_timeout_s,
                                               settings.max_constraint_bytes)
+        self.preprocessor = Preprocessor()
         self.tool_call_format: ToolCallFormat = (
             detect_tool_call_format(self.tokenizer.chat_template) if settings.tool_call_parser == "auto"
             else settings.tool_call_parser)
@@ -145,10 +148,10 @@ class OpenAIServing:
             raise APIError(400, str(exc), param=param, code=code) from None
 
     # ---- one request ---------------------------------------------------------------------
-    def start(self, prompts: list[EnginePrompt], params: SamplingParams, req: SamplingFields,
-              prompt_param: str, id_prefix: str) -> Generation:
-        """Validate every choice of every prompt, then queue them all (choice j of prompt i is
-        sub-request i * n + j)."""
+    def prepare(self, prompts: list[EnginePrompt], params: SamplingParams, req: SamplingFields,
+                prompt_param: str, id_prefix: str) -> Generation:
+        """Validate every choice of every prompt (choice j of prompt i is sub-request
+        i * n + j): a generation that ``launch`` starts. Any thread."""
         n = params.n
         if len(prompts) * n > self.settings.max_choices_per_request:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than this server's limit of "
@@ -156,16 +159,17 @@ class OpenAIServing:
         gen_id = random_id(id_prefix)
         specs = [RequestSpec(p.token_ids, params.for_choice(j), f"{gen_id}-{i * n + j}", req.priority,
                              req.cache_salt) for i, p in enumerate(prompts) for j in range(n)]
-        requests = [self._make_request(spec, prompt_param) for spec in specs]
+        return Generation(self.client, gen_id, [self._make_request(spec, prompt_param) for spec in specs])
+
+    def launch(self, gen: Generation) -> None:
+        """Admit ``gen`` and queue its requests (event loop)."""
         self._admit()
-        gen = Generation(self.client, gen_id, requests)
         try:
             gen.start()
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        return gen
 
     async def collect(self, request: Request, gen: Generation, num_choices: int,
                       on_output: Callable[[int, RequestOutput], None]) -> list[RequestOutput] | None:
