@@ -36,6 +36,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
+from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 
 from travelator.dashboard.feed import StepFeed
@@ -98,9 +99,24 @@ async def read_body(request: Request, model: type[BaseModel], limit: int) -> Bas
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return model.model_validate_json(bytes(body))
+        req = model.model_validate_json(bytes(body))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    _refuse_nan_and_infinity(bytes(body))
+    return req
+
+
+def _refuse_nan_and_infinity(body: bytes) -> None:
+    """NaN and Infinity are not JSON, though the parser takes them. A float field refuses them
+    by name (protocol.py); anywhere else (a schema, template variables, an ignored field) they
+    make the whole body invalid."""
+    if b"NaN" not in body and b"Infinity" not in body:  # most bodies: no second parse
+        return
+    try:
+        from_json(body, allow_inf_nan=False)
+    except ValueError as exc:  # the body parsed with them, so they are what fails
+        raise APIError(400, f"the request body is not valid JSON: {exc} (NaN and Infinity are not "
+                            f"JSON numbers)", code="invalid_json") from None
 
 
 _REF = "#/components/schemas/{model}"
