@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from travelator.llm import LLM, GenerationResult
-    from travelator.sampling_params import SamplingParams
+    from travelator.sampling_params import SamplingParams, StopLimits
 
 _EXPORTS = {
     "LLM": "travelator.llm",
     "GenerationResult": "travelator.llm",
     "SamplingParams": "travelator.sampling_params",
+    "StopLimits": "travelator.sampling_params",
 }
 
-__all__ = ["LLM", "GenerationResult", "SamplingParams"]
+__all__ = ["LLM", "GenerationResult", "SamplingParams", "StopLimits"]
 
 
 def __getattr__(name: str) -> Any:

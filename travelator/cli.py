@@ -42,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from travelator.server.app import build_app
     from travelator.server.auth import is_loopback
     from travelator.server.run import run_server
+    from travelator.sampling_params import StopLimits
     from travelator.server.settings import ServerSettings
 
     model = resolve_model(args)
@@ -49,6 +50,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [model],
         api_key=args.api_key if args.api_key is not None else os.environ.get("TRAVELATOR_API_KEY"),
         max_waiting=args.max_waiting, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+        stop_limits=StopLimits(args.max_stop_strings, args.max_stop_string_chars, args.max_stop_token_ids),
+        priority_range=(args.priority_range[0], args.priority_range[1]),
         shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         grammar_compile_timeout_s=args.grammar_compile_timeout, max_constraint_bytes=args.max_constraint_bytes,
@@ -129,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-n", type=int, default=16, help="most choices per prompt (default 16)")
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20,
                      help="largest request body; past it 413 (default 4 MiB)")
+    srv.add_argument("--max-stop-strings", type=int, default=64,
+                     help="most stop strings per request; past it 400 (default 64)")
+    srv.add_argument("--max-stop-string-chars", type=int, default=256,
+                     help="longest stop string, in characters; past it 400 (default 256)")
+    srv.add_argument("--max-stop-token-ids", type=int, default=64,
+                     help="most stop_token_ids per request; past it 400 (default 64)")
+    srv.add_argument("--priority-range", type=int, nargs=2, default=[-1000, 1000], metavar=("LOW", "HIGH"),
+                     help="the priorities clients may ask for; others get 400 (default -1000 1000)")
     srv.add_argument("--shutdown-grace", type=float, default=10.0,
                      help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     srv.add_argument("--access-log", action="store_true", help="log every HTTP request")

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 
 from travelator.errors import InvalidRequestError
 from travelator.structured import StructuredOutput
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class StopLimits:
+    """Bounds on a request's stop conditions. Stop strings become an automaton the step thread
+    builds (once per set, at a cost that grows with their total length) and stop tokens are
+    looked up at every token, so unbounded lists would slow every request in the batch.
+    OpenAI allows 4 stop strings; 64 of 256 characters leave room for evaluation harnesses and
+    agents while an automaton stays at most 16 K characters."""
+
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+
+    def validate(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be at least 1, got {getattr(self, f.name)}")
 
 
 @dataclass(slots=True)
@@ -45,6 +64,8 @@ class SamplingParams:
     # Speculative decoding (when the engine has it on): False keeps this request out of it.
     speculate: bool = True
     skip_special_tokens: bool = True
+    # Bounds on stop and stop_token_ids (the server passes its own, see ServerSettings).
+    stop_limits: StopLimits = StopLimits()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +77,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the field at fault."""
+        for name in _FLOAT_FIELDS:
+            # NaN passes every range check below (comparisons with it are false).
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number, got {getattr(self, name)}", name)
         if self.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {self.n}", "n")
         if self.temperature < 0:
@@ -96,6 +121,20 @@ class SamplingParams:
                                       "prompt_logprobs")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+        self._validate_stop_bounds()
+
+    def _validate_stop_bounds(self) -> None:
+        limits = self.stop_limits
+        if len(self.stop) > limits.max_stop_strings:
+            raise InvalidRequestError(f"stop has {len(self.stop)} strings, more than the limit of "
+                                      f"{limits.max_stop_strings}", "stop")
+        longest = max(map(len, self.stop), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise InvalidRequestError(f"a stop string has {longest} characters, more than the limit of "
+                                      f"{limits.max_stop_string_chars}", "stop")
+        if len(self.stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids, more than the "
+                                      f"limit of {limits.max_stop_token_ids}", "stop_token_ids")
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of ``n``: one sample, with its own seed (``seed +
@@ -113,3 +152,7 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+# Every float field, each checked to be finite (annotations are strings here).
+_FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type == "float")

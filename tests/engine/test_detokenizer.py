@@ -82,7 +82,7 @@ def test_stop_strings_match_reference(ids: list[int], data: st.DataObject, inclu
     full = _TOK.decode(ids)
     # Stop strings taken from the text itself (so they hit, often across tokens) plus random ones.
     stops = []
-    for _ in range(data.draw(st.integers(1, 3))):
+    for _ in range(data.draw(st.integers(1, 12))):
         if full and data.draw(st.booleans()):
             a = data.draw(st.integers(0, len(full) - 1))
             stops.append(full[a : a + data.draw(st.integers(1, 6))])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 
 import pytest
 
 from hf_models import build_checkpoint
 from paths import STORIES, needs_stories
 from travelator import LLM, SamplingParams
+from travelator.errors import InvalidRequestError
+from travelator.sampling_params import StopLimits
 
 pytestmark = needs_stories
 
@@ -58,6 +61,39 @@ def test_bad_token_ids(llm):
 def test_bad_sampling_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+_FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+
+
+@pytest.mark.parametrize("name", _FLOATS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_floats_are_refused_by_name(name, value):
+    with pytest.raises(InvalidRequestError, match=f"{name} must be a finite number") as exc:
+        SamplingParams(**{name: value})
+    assert exc.value.param == name
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ({"stop": "x" * 257}, "stop"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+])
+def test_stop_bounds_by_default(kw, param):
+    with pytest.raises(InvalidRequestError, match="more than the limit") as exc:
+        SamplingParams(**kw)
+    assert exc.value.param == param
+    SamplingParams(stop=[f"s{i}" for i in range(64)], stop_token_ids=list(range(64)))  # at the limits
+    SamplingParams(stop="x" * 256)
+
+
+def test_stop_bounds_can_be_raised():
+    limits = StopLimits(max_stop_strings=10_000, max_stop_string_chars=1000, max_stop_token_ids=100)
+    params = SamplingParams(stop=[f"s{i}" for i in range(9_999)] + ["x" * 1000], stop_token_ids=list(range(100)),
+                            stop_limits=limits)
+    assert params.for_choice(1).stop_limits == limits  # each choice keeps them
+    with pytest.raises(ValueError, match="max_stop_strings must be at least 1"):
+        StopLimits(max_stop_strings=0).validate()
 
 
 def test_unknown_model_path(tmp_path):

@@ -13,13 +13,17 @@ Text is made *stable* (part of `_text`) only when later ids cannot change it:
 
 Stop strings are searched in the stable text plus the provisional tail, i.e. in exactly
 `tokenizer.decode(ids_so_far)`, so a stop is found as soon as it is decoded. When none hits,
-`flush()` makes `output_text` equal to `tokenizer.decode(output_ids)`.
+`flush()` makes `output_text` equal to `tokenizer.decode(output_ids)`. The search is one
+automaton over all the stop strings (stop_matcher.py) that reads each stable character once,
+and the provisional tail from where the stable text left it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from travelator.engine.stop_matcher import StopMatch, StopMatcher, shared_matcher
 
 if TYPE_CHECKING:
     from travelator.model.tokenizer import Tokenizer
@@ -56,7 +60,8 @@ class IncrementalDetokenizer:
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stops = shared_matcher(self.stop) if self.stop else None
+        self._stop_state = 0  # the automaton's state after _text[:_checked]
         self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._byte_ids = tokenizer.byte_token_ids
 
@@ -74,7 +79,7 @@ class IncrementalDetokenizer:
         self._tail = ""  # provisional text of ids[_read_offset:]
 
         self._text = ""  # stable text (cut at the stop string once one hits)
-        self._checked = 0  # _text[:_checked] has been searched for stop strings
+        self._checked = 0  # _text[:_checked] has been read by the stop automaton
         self._final_len = 0  # _text[:_final_len] can no longer be part of a stop string
         self._sent = 0  # _text[:_sent] was handed out by take_delta
         self._finished = False
@@ -105,7 +110,7 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
 
-        if self.stop and self._find_stop():
+        if self._stops is not None and self._find_stop(self._stops):
             return self.stop_str
         self._update_final_len()
         return None
@@ -163,33 +168,35 @@ class IncrementalDetokenizer:
                 return prompt[i:]
         return prompt[low:]
 
-    def _find_stop(self) -> bool:
-        """Search the decode of all ids so far for the earliest stop string; cut the text there."""
-        text = self._text + self._tail
-        begin = max(0, self._checked - self._max_stop_len + 1)
-        best: tuple[int, int, str] | None = None
-        for s in self.stop:
-            idx = text.find(s, begin)
-            if idx != -1 and (best is None or (idx, -len(s)) < (best[0], best[1])):
-                best = (idx, -len(s), s)
+    def _find_stop(self, stops: StopMatcher) -> bool:
+        """Search the decode of all ids so far for the earliest stop string; cut the text there.
+
+        Stop strings that end before `_checked` were looked for already: only the new stable
+        text and the provisional tail are read."""
+        self._stop_state, hit = stops.feed(self._stop_state, self._text[self._checked :], self._checked)
         self._checked = len(self._text)
-        if best is None:
+        if self._tail:
+            _, in_tail = stops.feed(self._stop_state, self._tail, self._checked)
+            hit = _first(hit, in_tail)
+        if hit is None:
             return False
-        idx, _, s = best
-        self._text = text[: idx + len(s)] if self.include_stop_str_in_output else text[:idx]
+        text = self._text + self._tail
+        end = hit.start + len(hit.stop) if self.include_stop_str_in_output else hit.start
+        self._text = text[:end]
         self._tail = ""
         self._final_len = len(self._text)
         self._finished = True
-        self.stop_str = s
+        self.stop_str = hit.stop
         return True
 
     def _update_final_len(self) -> None:
         """Hold back the longest suffix of the stable text that could start a stop string."""
-        text = self._text
-        hold = 0
-        for k in range(min(self._max_stop_len - 1, len(text) - self._final_len), 0, -1):
-            suffix = text[-k:]
-            if any(s.startswith(suffix) for s in self.stop):
-                hold = k
-                break
-        self._final_len = max(self._final_len, len(text) - hold)
+        hold = 0 if self._stops is None else self._stops.held(self._stop_state)
+        self._final_len = max(self._final_len, len(self._text) - hold)
+
+
+def _first(a: StopMatch | None, b: StopMatch | None) -> StopMatch | None:
+    """The match that starts first; `b` ends after `a`, so on a tie it is the longer."""
+    if a is None or (b is not None and b.start <= a.start):
+        return b
+    return a

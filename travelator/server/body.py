@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.requests import ClientDisconnect
 
 from travelator.server.errors import APIError, from_validation_error
@@ -49,6 +50,21 @@ async def read_body(request: Request, model: type[M], limit: int, preprocessor: 
 
 def _validate(model: type[M], body: bytes) -> M:
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    _refuse_nan_and_infinity(body)
+    return req
+
+
+def _refuse_nan_and_infinity(body: bytes) -> None:
+    """NaN and Infinity are not JSON, though the parser takes them. A float field refuses them
+    by name (protocol.py); anywhere else (a schema, template variables, an ignored field) they
+    make the whole body invalid."""
+    if b"NaN" not in body and b"Infinity" not in body:  # most bodies: no second parse
+        return
+    try:
+        from_json(body, allow_inf_nan=False)
+    except ValueError as exc:  # the body parsed with them, so they are what fails
+        raise APIError(400, f"the request body is not valid JSON: {exc} (NaN and Infinity are not "
+                            f"JSON numbers)", code="invalid_json") from None

@@ -76,9 +76,10 @@ class StructuredOutputs(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share. ``None`` means the OpenAI default. Strict types, as
     OpenAI's API: ``"max_tokens": "5"`` or ``5.0`` is a 400 naming the field, not a 5 (an
-    integer is still a float where a float is asked for)."""
+    integer is still a float where a float is asked for). A float must be finite: NaN passes
+    range checks, and ``1e999`` parses as infinity."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None

@@ -128,6 +128,7 @@ class OpenAIServing:
             "speculate": req.speculate,
             "min_tokens": req.min_tokens, "skip_special_tokens": req.skip_special_tokens,
             "include_stop_str_in_output": req.include_stop_str_in_output,
+            "stop_limits": self.settings.stop_limits,
         }
         for name in _OPTIONAL_SAMPLING_FIELDS:
             value = getattr(req, name)
@@ -152,6 +153,10 @@ class OpenAIServing:
                 prompt_param: str, id_prefix: str) -> Generation:
         """Validate every choice of every prompt (choice j of prompt i is sub-request
         i * n + j): a generation that ``launch`` starts. Any thread."""
+        low, high = self.settings.priority_range
+        if not low <= req.priority <= high:
+            # Not echoed: the JSON integer may have thousands of digits.
+            raise APIError(400, f"priority must be an integer in [{low}, {high}]", param="priority")
         n = params.n
         if len(prompts) * n > self.settings.max_choices_per_request:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than this server's limit of "

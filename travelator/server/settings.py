@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from travelator.sampling_params import StopLimits
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
@@ -29,6 +31,12 @@ class ServerSettings:
     max_choices_per_request: int = 256
     # Largest request body accepted (413 past it).
     max_body_bytes: int = 4 << 20
+    # Most stop strings, characters per stop string and stop token ids per request (400 past
+    # them); see StopLimits for the defaults.
+    stop_limits: StopLimits = field(default_factory=StopLimits)
+    # The priorities clients may ask for (lower runs first under --scheduling-policy
+    # priority); others get 400.
+    priority_range: tuple[int, int] = (-1000, 1000)
     # On SIGTERM: stop accepting, let in-flight requests run this long, then abort them.
     shutdown_grace_s: float = 10.0
     # GET /debug/engine: the engine's own accounting (KV blocks and who holds them, queues, the
@@ -71,6 +79,9 @@ class ServerSettings:
             raise ValueError("max_choices_per_request must be at least max_n")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        self.stop_limits.validate()
+        if self.priority_range[0] > self.priority_range[1]:
+            raise ValueError(f"priority_range must be (low, high) with low <= high, got {self.priority_range}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be non-negative, got {self.shutdown_grace_s}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
