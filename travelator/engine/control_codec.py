@@ -253,9 +253,15 @@ def _fixed_tuple(plans: list[_Plan]) -> _Plan:
     check = _Fields("tuple", [f"[{i}]" for i in range(len(plans))], plans)
     encs = [p.enc for p in plans]
 
+    exact = tuple(next(iter(p.accepts)) for p in plans if p.accepts is not None and len(p.accepts) == 1)
+    if len(exact) != len(plans):
+        exact = None
+
     def dec(v: Any) -> tuple:
         if type(v) is not list:
             raise RefusedMessage(f"expected a tuple, got {_describe(v)}")
+        if exact is not None and tuple(map(type, v)) == exact:  # a sampled token: (str, int)
+            return tuple(v)
         return tuple(check(v, 0))
 
     if all(e is _identity for e in encs):
