@@ -269,7 +269,7 @@ def test_fixed_order_all_reduce_sums_in_rank_order():
 
     def rank_main(rank: int) -> None:
         try:
-            group = TPGroup(store, rank, size)
+            group = TPGroup(store, rank, size, b"a secret the ranks share")
             group.connect_data(torch.device("cpu"))
             group.fixed_order_sums = True
             results[rank] = [group.all_reduce(x.clone()) for x in inputs[rank]]

@@ -3,7 +3,8 @@
 The engine process is rank 0, the driver: it schedules, once, and samples, once. Each
 step it sends every worker only the small step description (the ``SchedulerOutput``:
 new requests in full, running ones as changes, freed ids) plus the tokens it sampled in
-the previous step, over the gloo control group. Then every rank runs the same step on its
+the previous step, over the gloo control group (encoded by ``tp_protocol``, authenticated
+with the group's secret: see tp_launch). Then every rank runs the same step on its
 shard; the tensors move over the data group (all-reduces inside the model, the gather of
 the vocabulary-split logits to the driver). Every rank therefore executes exactly the
 same schedule (docs/design.md invariant 9), and the workers' copies of the sequences stay equal
@@ -16,9 +17,9 @@ executor turns that into ``TensorParallelError("tensor-parallel worker 1 died (e
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -34,11 +35,12 @@ from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import ModelRunner, RunnerSettings
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
-from travelator.engine.tp_worker import STOP, TPWorkerSpec, Worker, check_gpu_for_rank, rank_device, run_worker
+from travelator.engine.tp_launch import SECRET_ENV, LaunchEnv, connect_store, control_secret, host_store, launch_env
+from travelator.engine.tp_protocol import CALLS, STOP, TPWorkerSpec, decode_result, encode_call, encode_result, encode_spec
+from travelator.engine.tp_worker import Worker, check_gpu_for_rank, rank_device, run_worker
 from travelator.model.arch import ModelArch
 from travelator.model.loader import ModelSource, WeightIterator
-from travelator.model.tp_group import DATA_TIMEOUT_S, TPGroup, check_divisible
+from travelator.model.tp_group import TPGroup, check_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ def _close(g: _Group) -> None:
     """Stop the workers: a stop message when the group is sound, then signals."""
     if g.group is not None and g.graceful and g.lock.acquire(timeout=5.0):
         try:
-            g.group.broadcast_object((STOP, (), False))
+            g.group.broadcast_bytes(encode_call(STOP, ()))
         except Exception:
             pass
         finally:
@@ -137,23 +139,25 @@ class TPExecutor:
         t0 = time.perf_counter()
         if env is None:  # launch the workers on this machine
             check_gpu_for_rank(spec.device_type, self.size - 1)
-            timeout = datetime.timedelta(seconds=DATA_TIMEOUT_S)
-            server = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timeout,
-                                   wait_for_workers=False)
+            server = host_store("127.0.0.1", 0, self.size)
             store = dist.PrefixStore("travelator/", server)
             self._server = server  # the store lives as long as the group
             local = LaunchEnv(0, self.size, 0, "127.0.0.1", server.port)
-            self._g.procs = [self._launch(rank, local, spec.device_type)
+            # A fresh secret per engine, in the environment of its own workers only.
+            secret = secrets.token_hex(32)
+            self._g.procs = [self._launch(rank, local, spec.device_type, secret)
                              for rank in range(1, self.size)]
+            key = secret.encode()
             local_rank = 0
         else:
             store = None
+            key = control_secret(env)
             local_rank = env.local_rank
         group = self._watched(lambda: TPGroup(store if store is not None else connect_store(env),
-                                              0, self.size))
+                                              0, self.size, key))
         self._g.group = self.group = group
         group.expert_parallel = spec.expert_parallel
-        group.broadcast_object(spec)
+        group.broadcast_bytes(encode_spec(spec))
         device = rank_device(spec.device_type, local_rank)
         self._watched(lambda: group.connect_data(device))
         self.runner = ModelRunner(spec.model, arch, weights, spec.on(device), tp=group, grammars=self._grammars)
@@ -165,7 +169,7 @@ class TPExecutor:
                     "local workers" if env is None else "torchrun", time.perf_counter() - t0)
 
     # ---- start-up --------------------------------------------------------------------
-    def _launch(self, rank: int, local: LaunchEnv, device_type: str) -> subprocess.Popen:
+    def _launch(self, rank: int, local: LaunchEnv, device_type: str, secret: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
         path = [p for p in sys.path if p]
         if env.get("PYTHONPATH"):
@@ -174,6 +178,7 @@ class TPExecutor:
             RANK=str(rank), WORLD_SIZE=str(local.world_size), LOCAL_RANK=str(rank),
             MASTER_ADDR=local.master_addr, MASTER_PORT=str(local.master_port),
             TRAVELATOR_TP_PARENT_PID=str(os.getpid()), PYTHONPATH=os.pathsep.join(path),
+            **{SECRET_ENV: secret},
         )
         if device_type == "cpu" and "TRAVELATOR_TP_THREADS" not in env:
             env["TRAVELATOR_TP_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
@@ -261,7 +266,7 @@ class TPExecutor:
             self._ensure_alive()
             sampled, self._sampled = self._sampled, []
             try:
-                self.group.broadcast_object(("step", (out, sampled), False))
+                self.group.broadcast_bytes(encode_call("step", (out, sampled)))
                 result = self.runner.execute(out)
             except Exception as exc:
                 raise self._broken(exc) from exc
@@ -282,15 +287,18 @@ class TPExecutor:
         return set().union(*self.call("held_request_ids"))
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        """Run a ``Worker`` method on every rank; the results in rank order."""
+        """Run a ``Worker`` method of ``tp_protocol.CALLS`` that replies on every rank; the
+        results in rank order."""
+        if method not in CALLS or not CALLS[method].reply:
+            raise ValueError(f"{method!r} is not a tensor-parallel call with a reply")
         with self._g.lock:
             self._ensure_alive()
             try:
-                self.group.broadcast_object((method, args, True))
-                results = self.group.gather_objects(getattr(self.worker, method)(*args))
+                self.group.broadcast_bytes(encode_call(method, args))
+                own = encode_result(method, getattr(self.worker, method)(*args))
+                results = [decode_result(method, data) for data in self.group.gather_bytes(own)]
             except Exception as exc:
                 raise self._broken(exc) from exc
-            assert results is not None
             return results
 
     @property

@@ -1,17 +1,31 @@
 """How the ranks of one tensor-parallel engine find each other: the torchrun-style
-environment (set by torchrun, or by the engine's own launcher for workers on this machine)
-and the rendezvous store it names, from which the group (``model/tp_group.py``) is built.
+environment (set by torchrun, or by the engine's own launcher for workers on this machine),
+the rendezvous store it names, from which the group (``model/tp_group.py``) is built, and the
+secret every rank proves when the group forms.
+
+A store this module hosts listens on the interface of its address only (torch's own
+listens on every interface): 127.0.0.1 for workers on this machine, MASTER_ADDR under
+torchrun when rank 0 hosts the store. The secret comes from ``TRAVELATOR_TP_SECRET``, which
+must be set when MASTER_ADDR is not a loopback address.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from travelator.model.tp_group import DATA_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
+
+SECRET_ENV = "TRAVELATOR_TP_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 @dataclass(slots=True)
@@ -35,10 +49,46 @@ def launch_env() -> LaunchEnv | None:
                      int(env["MASTER_PORT"]))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def control_secret(env: LaunchEnv) -> bytes:
+    """The secret every rank proves to join the group (``model/tp_auth.py``): required
+    unless the store is on a loopback address, where only this machine reaches it."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if secret and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"{SECRET_ENV} must have at least {MIN_SECRET_CHARS} characters")
+    if not secret and not is_loopback(env.master_addr):
+        raise ValueError(f"tensor parallelism across machines (MASTER_ADDR={env.master_addr}) needs a shared "
+                         f"secret: set {SECRET_ENV} to the same random string on every rank "
+                         f"(e.g. the output of `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+    if not secret:
+        logger.warning("%s is not set: the tensor-parallel control messages are not authenticated "
+                       "(any local user can reach %s:%d)", SECRET_ENV, env.master_addr, env.master_port)
+    return secret.encode()
+
+
+def host_store(host: str, port: int, world_size: int, timeout_s: float = DATA_TIMEOUT_S) -> dist.TCPStore:
+    """A rendezvous store listening on ``host``'s interface only (port 0: a free one)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, port), family=family)
+    return dist.TCPStore(host, sock.getsockname()[1], world_size, True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
 def connect_store(env: LaunchEnv, timeout_s: float = DATA_TIMEOUT_S) -> dist.Store:
-    """The rendezvous store of ``env`` (torchrun's agent store when it hosts one)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous(
-        f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}",
-        timeout=timeout))
+    """The rendezvous store of ``env``: hosted by rank 0 on MASTER_ADDR, or torchrun's agent
+    store when it hosts one."""
+    if env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        store: dist.Store = host_store(env.master_addr, env.master_port, env.world_size, timeout_s)
+    else:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
     return dist.PrefixStore("travelator/", store)

@@ -4,14 +4,15 @@ request's tokens, and runs each step the driver describes. It never schedules an
 never samples: the driver does both, once.
 
 Start one with ``python -m travelator.engine.tp_worker`` in a torchrun-style
-environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The engine's own
-launcher does that for one machine; under ``torchrun`` the engine's constructor turns
-every rank but 0 into a worker (see tp_executor.make_executor).
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, and
+TRAVELATOR_TP_SECRET: see tp_launch). The engine's own launcher does that for one machine;
+under ``torchrun`` the engine's constructor turns every rank but 0 into a worker (see
+tp_executor.make_executor). A message it cannot authenticate or decode (``tp_protocol``)
+breaks the group: the worker exits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -19,35 +20,18 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 
-from travelator.config import ModelConfig
-from travelator.engine.model_runner import ModelRunner, RunnerSettings
+from travelator.engine.control_codec import RefusedMessage
+from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import SchedulerOutput
-from travelator.engine.tp_launch import LaunchEnv, connect_store, launch_env
+from travelator.engine.tp_launch import LaunchEnv, connect_store, control_secret, launch_env
+from travelator.engine.tp_protocol import CALLS, STOP, decode_call, decode_spec, encode_result
+from travelator.model.tp_auth import ControlAuthError
 from travelator.model.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
-
-STOP = "stop"  # the method name of the last message
-
-
-@dataclass(slots=True)
-class TPWorkerSpec:
-    """What a worker needs to build its shard; sent by the driver once, after rendezvous."""
-
-    model: ModelConfig
-    settings: RunnerSettings  # the driver's: each rank runs on its own device of this type
-    expert_parallel: bool = False  # ParallelConfig's
-
-    @property
-    def device_type(self) -> str:
-        return self.settings.device.type
-
-    def on(self, device: torch.device) -> RunnerSettings:
-        return dataclasses.replace(self.settings, device=device)
 
 
 def check_gpu_for_rank(device_type: str, local_rank: int) -> None:
@@ -71,8 +55,9 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
 class Worker:
     """The rank-local operations, the same on every rank (the driver has one too).
 
-    A message from the driver is ``(method, args, reply)``: the named method runs on every
-    rank, and with ``reply`` the results are gathered on the driver.
+    A message from the driver names one of ``tp_protocol.CALLS`` with its arguments: the
+    method runs on every rank, and for a call that replies the results are gathered on the
+    driver.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -102,9 +87,6 @@ class Worker:
     def held_request_ids(self) -> set[str]:
         return self.runner.held_request_ids()
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 def watch_parent(parent_pid: int) -> None:
     """Exit when the engine process that launched us is gone (no orphans)."""
@@ -130,8 +112,8 @@ def run_worker(env: LaunchEnv | None = None) -> None:
     if threads:
         torch.set_num_threads(int(threads))
 
-    group = TPGroup(connect_store(env), env.rank, env.world_size)
-    spec: TPWorkerSpec = group.broadcast_object()
+    group = TPGroup(connect_store(env), env.rank, env.world_size, control_secret(env))
+    spec = decode_spec(group.broadcast_bytes())
     group.expert_parallel = spec.expert_parallel
     device = rank_device(spec.device_type, env.local_rank)
     group.connect_data(device)
@@ -142,12 +124,12 @@ def run_worker(env: LaunchEnv | None = None) -> None:
     runner = ModelRunner(spec.model, source.arch, source.weights, spec.on(device), tp=group)
     worker = Worker(runner)
     while True:
-        method, args, reply = group.broadcast_object()
+        method, args = decode_call(group.broadcast_bytes())
         if method == STOP:
             break
-        result = getattr(worker, method)(*args)
-        if reply:
-            group.gather_objects(result)
+        result = getattr(worker, method)(*args)  # a method of CALLS only: decode_call refuses others
+        if CALLS[method].reply:
+            group.gather_bytes(encode_result(method, result))
 
 
 def main() -> None:
@@ -156,7 +138,10 @@ def main() -> None:
         run_worker()
     except Exception as exc:
         rank = os.environ.get("RANK")
-        if "gloo" in str(exc):  # how a worker learns that the driver (or a peer) is gone
+        if isinstance(exc, (RefusedMessage, ControlAuthError)):
+            print(f"travelator tensor-parallel worker {rank}: refused a control message ({exc}); exiting",
+                  file=sys.stderr, flush=True)
+        elif "gloo" in str(exc):  # how a worker learns that the driver (or a peer) is gone
             print(f"travelator tensor-parallel worker {rank}: lost the group ({exc}); exiting",
                   file=sys.stderr, flush=True)
         else:
@@ -166,8 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run the importable module, not this __main__ copy of it: the driver's pickled
-    # messages name classes of travelator.engine.tp_worker.
-    from travelator.engine.tp_worker import main as run_as_module
-
-    run_as_module()
+    main()

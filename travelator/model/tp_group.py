@@ -8,36 +8,44 @@ Two groups over the same ranks:
 - ``data``: the collectives inside the model (all-reduce after the row-parallel
   projections and the embedding, gather of the vocabulary-split logits). gloo on CPU,
   NCCL on CUDA. Its timeout bounds how long a rank waits for a peer inside a step.
-- ``ctrl``: gloo, for the driver's step messages (pickled objects). Workers wait on it
-  between steps, while the engine may be idle for hours, so it has no practical timeout;
-  a peer that dies is still noticed at once (gloo reports the closed connection).
+- ``ctrl``: gloo, for the driver's step messages (bytes, authenticated by ``tp_auth``
+  with the group's secret; what they mean is the engine's). Workers wait on it between
+  steps, while the engine may be idle for hours, so it has no practical timeout; a peer
+  that dies is still noticed at once (gloo reports the closed connection).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import pickle
+import secrets
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from travelator.model.arch import ModelArch
+from travelator.model.tp_auth import NONCE_BYTES, ControlAuth, ControlAuthError, session_id
 
 # How long a rank waits on a peer inside one collective of a step (env override, seconds).
 DATA_TIMEOUT_S = float(os.environ.get("TRAVELATOR_TP_TIMEOUT", "600"))
 _CTRL_TIMEOUT = datetime.timedelta(days=3650)
+# A frame's length arrives before its MAC can be checked: bound what a peer makes us allocate.
+MAX_FRAME_BYTES = 1 << 30
 
 
 class TPGroup:
-    """One engine's ranks: ``rank`` of ``size``; rank 0 is the driver."""
+    """One engine's ranks: ``rank`` of ``size``; rank 0 is the driver. Building it is
+    collective, and every rank must prove ``secret`` (``tp_auth``) or the group is refused."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, secret: bytes) -> None:
         self.rank = rank
         self.size = size
         self._store = store
         self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl/", store), rank, size, _CTRL_TIMEOUT)
+        session = session_id(self._allgather_bytes(secrets.token_bytes(NONCE_BYTES)))
+        self._auth = ControlAuth(secret, rank, size, session)
+        self._auth.check_proofs(self._allgather_bytes(self._auth.proof()))
         self.data: Any = None
         self.device = torch.device("cpu")
         # Batch-invariant mode: sum the ranks' parts in rank order (see all_reduce).
@@ -92,30 +100,30 @@ class TPGroup:
         self.data.gather([], [x], opts).wait()
         return None
 
-    # ---- objects (the driver's messages) ---------------------------------------------
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Send ``obj`` from the driver to every rank; returns it on every rank."""
+    # ---- bytes (the driver's messages), authenticated --------------------------------
+    def broadcast_bytes(self, data: bytes | None = None) -> bytes:
+        """Send ``data`` from the driver to every rank; returns it on every rank."""
         if self.rank == 0:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            size = torch.tensor([len(data)], dtype=torch.long)
-            self.ctrl.broadcast(size, 0).wait()
-            self.ctrl.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
-            return obj
+            frame = self._auth.seal(data)
+            self.ctrl.broadcast(torch.tensor([len(frame)], dtype=torch.long), 0).wait()
+            self.ctrl.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 0).wait()
+            return data
         size = torch.empty(1, dtype=torch.long)
         self.ctrl.broadcast(size, 0).wait()
-        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        buf = torch.empty(self._frame_size(0, size), dtype=torch.uint8)
         self.ctrl.broadcast(buf, 0).wait()
-        return pickle.loads(buf.numpy().tobytes())
+        return self._auth.open(0, buf.numpy().tobytes())
 
-    def gather_objects(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj``, in rank order, on the driver; None elsewhere."""
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.long)
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data``, in rank order, on the driver; None elsewhere."""
+        frame = self._auth.seal(data) if self.rank != 0 else b""  # the driver keeps its own
+        size = torch.tensor([len(frame)], dtype=torch.long)
         sizes = [torch.empty(1, dtype=torch.long) for _ in range(self.size)]
         self.ctrl.allgather([sizes], [size]).wait()
-        width = max(int(s.item()) for s in sizes)
+        width = max(self._frame_size(r, s) for r, s in enumerate(sizes))
         buf = torch.zeros(width, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if frame:
+            buf[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         opts = dist.GatherOptions()
         opts.rootRank = 0
         if self.rank != 0:
@@ -123,7 +131,20 @@ class TPGroup:
             return None
         bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
         self.ctrl.gather([bufs], [buf], opts).wait()
-        return [pickle.loads(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+        return [data] + [self._auth.open(r, bufs[r][: int(sizes[r].item())].numpy().tobytes())
+                         for r in range(1, self.size)]
+
+    def _frame_size(self, sender: int, size: torch.Tensor) -> int:
+        n = int(size.item())
+        if not 0 <= n <= MAX_FRAME_BYTES:
+            raise ControlAuthError(f"control message from rank {sender} claims {n} bytes")
+        return n
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), in rank order."""
+        parts = [torch.empty(len(data), dtype=torch.uint8) for _ in range(self.size)]
+        self.ctrl.allgather([parts], [torch.frombuffer(bytearray(data), dtype=torch.uint8)]).wait()
+        return [p.numpy().tobytes() for p in parts]
 
     def abort(self) -> None:
         """Break pending NCCL collectives (a peer is gone); gloo notices by itself."""
