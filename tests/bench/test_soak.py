@@ -59,6 +59,24 @@ def test_disaggregated_soak_survives_a_killed_decode_worker(capsys):
             == result.sent)
 
 
+def test_everything_soak_keeps_every_promise(capsys):
+    """Structured outputs, priorities, shared prefixes and speculative decoding (n-gram, then a
+    draft model) on a batch-invariant server, with the usual chaos: every finished constrained
+    answer satisfies its constraint, and every greedy answer equals the same request alone."""
+    result = run_soak(SoakConfig(model=str(STORIES), requests=300, seed=5, time_limit_s=240, everything=True))
+    line = result.line()
+    with capsys.disabled():
+        print("\n" + line)
+    assert result.ok, "\n".join(result.failures[:20])
+    assert result.phases == ["ngram", "draft"]
+    assert result.leaked_blocks == 0 and result.server_errors_5xx == 0
+    assert result.disconnected > 0 and result.rejected_503 > 0 and result.preemptions > 0
+    assert 0 < result.constrained_valid == result.constrained_checked
+    assert 0 < result.greedy_equal == result.greedy_compared
+    assert result.prefix_hit_tokens > 0 and result.accepted_draft_tokens > 0
+    assert len(result.priorities) > 1
+
+
 @contextlib.contextmanager
 def live_server(llm: LLM, **settings):
     app = build_app(AsyncEngine(llm.engine), ServerSettings(**settings))
