@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -74,6 +75,10 @@ def phases(cfg: SoakConfig) -> tuple[list[str | None], list[str]]:
 def run_soak(cfg: SoakConfig) -> SoakResult:
     """Run the soak; never raises for a failed check (see ``SoakResult.failures``)."""
     result = SoakResult()
+    if cfg.everything and importlib.util.find_spec("jsonschema") is None:
+        result.failures.append("--everything checks JSON answers with jsonschema, which is not installed "
+                               "(the test extra brings it)")
+        return result
     methods, result.skipped = phases(cfg)
     limit = cfg.time_limit_s
     if limit is None:
