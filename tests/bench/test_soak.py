@@ -21,7 +21,8 @@ from travelator.engine.self_check import engine_self_check
 from travelator.server.app import build_app
 from travelator.server.settings import ServerSettings
 from travelator.bench.soak.config import SoakConfig
-from travelator.bench.soak.driver import run_soak
+from travelator.bench.soak.driver import phases, run_soak
+from travelator.bench.soak.structured import CHOICES, REGEXES, SCHEMAS, Constraint
 
 pytestmark = needs_stories
 
@@ -57,6 +58,42 @@ def test_disaggregated_soak_survives_a_killed_decode_worker(capsys):
     assert result.disconnected > 0 and result.rejected_503 > 0 and result.preemptions > 0
     assert (result.completed + result.disconnected + result.rejected_503 + result.invalid_4xx + result.killed
             == result.sent)
+
+
+def test_everything_soak_keeps_every_promise(capsys):
+    """Structured outputs, priorities, shared prefixes and speculative decoding (n-gram, then a
+    draft model) on a batch-invariant server, with the usual chaos: every finished constrained
+    answer satisfies its constraint, and every greedy answer equals the same request alone."""
+    result = run_soak(SoakConfig(model=str(STORIES), requests=300, seed=5, time_limit_s=240, everything=True))
+    line = result.line()
+    with capsys.disabled():
+        print("\n" + line)
+    assert result.ok, "\n".join(result.failures[:20])
+    assert result.phases == ["ngram", "draft"]
+    assert result.leaked_blocks == 0 and result.server_errors_5xx == 0
+    assert result.disconnected > 0 and result.rejected_503 > 0 and result.preemptions > 0
+    assert 0 < result.constrained_valid == result.constrained_checked
+    assert 0 < result.greedy_equal == result.greedy_compared
+    assert result.prefix_hit_tokens > 0 and result.accepted_draft_tokens > 0
+    assert len(result.priorities) > 1
+
+
+def test_constraint_checks_tell_valid_from_invalid():
+    person = Constraint("json", SCHEMAS[0])
+    assert person.check('{"name": "Lily", "age": 5}') is None
+    assert "not valid" in person.check('{"name": "Lily", "age": 500}')
+    assert "not valid" in person.check('\ufffd"name": "Lily", "age": 5}')  # not JSON
+    assert Constraint("regex", REGEXES[0]).check("Ben was happy.") is None
+    assert Constraint("regex", REGEXES[0]).check("Ben was happy. ") is not None  # a full match
+    assert Constraint("choice", CHOICES[1]).check("yes") is None
+    assert Constraint("choice", CHOICES[1]).check("yes!") is not None
+
+
+def test_everything_phases_follow_what_the_server_supports():
+    assert phases(SoakConfig(everything=True)) == (["ngram", "draft"], [])
+    assert phases(SoakConfig(everything=True, disaggregate="1:2")) == (["ngram"], ["structured_outputs", "draft_model"])
+    assert phases(SoakConfig(everything=True, url="http://127.0.0.1:1")) == ([None], [])
+    assert phases(SoakConfig()) == ([None], [])
 
 
 @contextlib.contextmanager

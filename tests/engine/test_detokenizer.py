@@ -180,6 +180,21 @@ def test_prompt_context_keeps_leading_space() -> None:
     assert _TOK.decode(out) == "go to the park."  # without context the leading space is stripped
 
 
+def test_prompt_ending_in_byte_tokens_leaves_the_output_whole() -> None:
+    """A prompt that ends in byte tokens (here a stray UTF-8 continuation byte, as a token-id
+    prompt may) must not join the output's first byte tokens in one byte run: one invalid byte
+    turns a whole run into U+FFFD, and the output's '{' became U+FFFD (found by the soak's
+    constrained requests: JSON text that the grammar had made valid no longer parsed)."""
+    prompt = [1, 173, 335, 455, 286, 71, 144]  # ... <0x44> <0x8D>
+    brace = 126  # <0x7B>: "{" as the grammar made the model write it
+    assert {71, 144, brace} <= _TOK.byte_token_ids
+    out = [brace] + _TOK.encode('"animal": "cat"}', add_special_tokens=False)
+    assert _TOK.decode(out) == '{ "animal": "cat"}'
+    for sizes in ([1], [3], [len(out)]):
+        text, _ = _stream(IncrementalDetokenizer(_TOK, prompt_token_ids=prompt), out, sizes)
+        assert text == '{ "animal": "cat"}', (sizes, text)
+
+
 class _CountingTokenizer:
     """Proxy that records the length of every decode call."""
 

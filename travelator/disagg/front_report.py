@@ -47,6 +47,9 @@ def _counters(front: DisaggregatedFrontEnd) -> EngineCounters:
         c.generation_tokens += w["generation_tokens"]
         c.preemptions += w["preemptions"]
         c.steps += w["steps"]
+        c.draft_tokens += w["draft_tokens"]
+        c.accepted_draft_tokens += w["accepted_draft_tokens"]
+        c.speculative_steps += w["speculative_steps"]
     return c
 
 

@@ -98,8 +98,7 @@ class IncrementalDetokenizer:
             self._note(i, self._ids[i])
 
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        # _prefix_text is a prefix of new_text, except when a prompt context ends mid-character
-        # (then this is a length-based diff).
+        # _prefix_text is a prefix of new_text (the window starts at a stable id).
         delta = new_text[len(self._prefix_text) :]
         if self._tail_is_byte or delta.endswith(_REPLACEMENT):
             self._tail = delta  # provisional: later ids may still change it
@@ -158,15 +157,16 @@ class IncrementalDetokenizer:
         return self._last_content if 0 <= self._last_content < end else 0
 
     def _prompt_context(self, prompt: list[int]) -> list[int]:
-        """The last prompt ids from a stable (content, non-byte) id on."""
-        if not prompt:
-            return []
+        """The prompt's last stable (content, non-byte) id, alone: byte ids after it would
+        join the output's first byte ids in one run, and a run with an invalid byte decodes
+        whole to U+FFFD (a stray prompt byte then ate the output's "{"). None in reach: no
+        context."""
         low = max(0, len(prompt) - _MAX_PROMPT_CONTEXT)
         for i in range(len(prompt) - 1, low - 1, -1):
             tid = prompt[i]
             if tid not in self._skipped and tid not in self._byte_ids:
-                return prompt[i:]
-        return prompt[low:]
+                return [tid]
+        return []
 
     def _find_stop(self, stops: StopMatcher) -> bool:
         """Search the decode of all ids so far for the earliest stop string; cut the text there.

@@ -3,6 +3,7 @@
     travelator bench soak --requests 2000          # starts `travelator serve` itself
     travelator bench soak --duration 600 --requests 100000
     travelator bench soak --url http://127.0.0.1:8000 --requests 500
+    travelator bench soak --everything --requests 2000
 
 The workload (workload.py) mixes completions and chat, streaming and not, n > 1 and prompt
 batches, stop strings, logprobs, greedy and seeded sampling, very short and very long requests;
@@ -18,6 +19,13 @@ every KV block back in the pool, free + used = total (counted independently), th
 consistency check, no running or waiting request, no per-request state left behind; through
 /metrics: no request finished with an engine error; and that /health is 200 and a last request
 still succeeds. A server it started must also stop cleanly on SIGTERM (exit code 0).
+
+``--everything`` runs the same chaos on a batch-invariant server with priority scheduling, prefix
+caching and speculative decoding (two servers in turn, half the requests each: n-gram, then a
+draft model), adds priorities, shared-prefix prompts and constrained requests (structured.py:
+every finished constrained answer must satisfy its schema, regex or choice list), and after the
+load sends every greedy one-choice request again alone, without speculation: the answers must
+be the same (greedy.py).
 
 Prints ONE line on stdout with the figures; failed checks are listed on stderr, and the exit
 code is 1 if any check failed. Bounded by ``--requests`` and ``--duration`` and by a hard

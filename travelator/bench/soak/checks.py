@@ -4,11 +4,20 @@ that adds up), and the server at rest (the engine's own accounting through /debu
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from travelator.bench.soak.config import SoakConfig, SoakResult
 from travelator.bench.soak.workload import Spec
 
 VALID_FINISH = {"stop", "length"}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a completed request answered, per choice index."""
+
+    texts: list[str]
+    finishes: list[str]
 
 
 class Outcome:
@@ -46,27 +55,28 @@ def check_usage(spec: Spec, usage: dict | None, finishes: list[str]) -> str | No
     return None
 
 
-def validate_json(spec: Spec, data: dict) -> str | None:
+def validate_json(spec: Spec, data: dict) -> tuple[str | None, Answer | None]:
     chat = spec.path.endswith("chat/completions")
     want = "chat.completion" if chat else "text_completion"
     if data.get("object") != want:
-        return f"object {data.get('object')!r}, expected {want}"
+        return f"object {data.get('object')!r}, expected {want}", None
     choices = data.get("choices")
     if not isinstance(choices, list) or sorted(c.get("index") for c in choices) != list(range(spec.choices)):
-        return f"choices {choices!r:.200} are not indices 0..{spec.choices - 1}"
-    finishes = []
-    for c in choices:
+        return f"choices {choices!r:.200} are not indices 0..{spec.choices - 1}", None
+    texts, finishes = [], []
+    for c in sorted(choices, key=lambda c: c["index"]):
         text = c["message"]["content"] if chat else c.get("text")
         problem = check_text(spec, text, c.get("finish_reason"), c.get("stop_reason"))
         if problem:
-            return f"choice {c.get('index')}: {problem}"
+            return f"choice {c.get('index')}: {problem}", None
+        texts.append(text)
         finishes.append(c["finish_reason"])
-    return check_usage(spec, data.get("usage"), finishes)
+    return check_usage(spec, data.get("usage"), finishes), Answer(texts, finishes)
 
 
-def validate_stream(spec: Spec, events: list[str], include_usage: bool) -> str | None:
+def validate_stream(spec: Spec, events: list[str], include_usage: bool) -> tuple[str | None, Answer | None]:
     if not events or events[-1] != "[DONE]":
-        return f"the stream does not end with [DONE]: {events[-2:]!r}"
+        return f"the stream does not end with [DONE]: {events[-2:]!r}", None
     chat = spec.path.endswith("chat/completions")
     texts: dict[int, str] = {}
     finished: dict[int, tuple[str, object]] = {}
@@ -75,28 +85,29 @@ def validate_stream(spec: Spec, events: list[str], include_usage: bool) -> str |
         try:
             chunk = json.loads(raw)
         except json.JSONDecodeError:
-            return f"an event is not JSON: {raw[:200]!r}"
+            return f"an event is not JSON: {raw[:200]!r}", None
         if "error" in chunk:
-            return f"error event: {chunk['error']}"
+            return f"error event: {chunk['error']}", None
         if chunk.get("usage") is not None:
             usage = chunk["usage"]
         for c in chunk.get("choices") or []:
             i = c.get("index")
             if i in finished:
-                return f"choice {i} got a chunk after its finish_reason"
+                return f"choice {i} got a chunk after its finish_reason", None
             piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
             texts[i] = texts.get(i, "") + (piece or "")
             if c.get("finish_reason") is not None:
                 finished[i] = (c["finish_reason"], c.get("stop_reason"))
     if sorted(finished) != list(range(spec.choices)):
-        return f"finish reasons for choices {sorted(finished)}, expected 0..{spec.choices - 1}"
+        return f"finish reasons for choices {sorted(finished)}, expected 0..{spec.choices - 1}", None
     for i, (finish, stop_reason) in finished.items():
         problem = check_text(spec, texts.get(i, ""), finish, stop_reason)
         if problem:
-            return f"choice {i}: {problem}"
+            return f"choice {i}: {problem}", None
+    answer = Answer([texts.get(i, "") for i in range(spec.choices)], [finished[i][0] for i in range(spec.choices)])
     if include_usage:
-        return check_usage(spec, usage, [f for f, _ in finished.values()])
-    return None
+        return check_usage(spec, usage, answer.finishes), answer
+    return None, answer
 
 
 def judge_error(spec: Spec, status: int, raw: bytes):
@@ -142,6 +153,8 @@ def chaos_problems(cfg: SoakConfig, result: SoakResult, own_server: bool) -> lis
             problems.append("no burst was rejected with 503: the waiting-queue bound was never reached")
         if cfg.disconnect_rate > 0 and not result.disconnected:
             problems.append("no client disconnected")
+    if require and cfg.everything and result.sent >= 100:
+        problems += everything_problems(result)
     if cfg.kill_decode_worker_after is not None and result.sent > cfg.kill_decode_worker_after:
         if not result.killed_worker:
             problems.append("no decode worker was killed")
@@ -149,3 +162,16 @@ def chaos_problems(cfg: SoakConfig, result: SoakResult, own_server: bool) -> lis
         problems.append(f"{result.server_errors_5xx} answers were 5xx other than 503 "
                         f"(statuses: {dict(result.statuses)})")
     return problems
+
+
+def everything_problems(result: SoakResult) -> list[str]:
+    """``--everything`` must have exercised what it claims to."""
+    checks = [
+        ("structured_outputs" in result.skipped or result.constrained_checked > 0,
+         "no constrained answer finished to be checked"),
+        (result.greedy_compared > 0, "no greedy answer was compared with the request alone"),
+        (bool(result.prefix_hit_tokens), "the prefix cache never hit"),
+        (bool(result.draft_tokens), "no draft token was verified: speculation never ran"),
+        (len(result.priorities) > 1, "the requests did not differ in priority"),
+    ]
+    return [msg for ok, msg in checks if not ok]

@@ -43,6 +43,11 @@ def add_soak_parser(subparsers) -> None:
     g.add_argument("--kill-decode-worker-after", type=int, default=None, metavar="N",
                    help="with --disaggregate: SIGKILL one decode worker once N requests are sent; its "
                         "requests must fail with a clear error, nothing else may")
+    p.add_argument("--everything", action="store_true",
+                   help="all at once: a batch-invariant server with priority scheduling, prefix caching and "
+                        "speculative decoding (n-gram, then a draft model: two servers, half the requests "
+                        "each), constrained outputs checked against their schema, regex or choices "
+                        "(needs jsonschema), and every greedy answer compared with the same request alone")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_soak)
 
@@ -59,6 +64,7 @@ def cmd_soak(a: argparse.Namespace) -> int:
         block_size=a.block_size, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_waiting=a.max_waiting, server_threads=a.server_threads, server_log=a.server_log, verbose=a.verbose,
         disaggregate=a.disaggregate, kill_decode_worker_after=a.kill_decode_worker_after,
+        everything=a.everything,
     )
     result = run_soak(cfg)
     for failure in result.failures[:50]:

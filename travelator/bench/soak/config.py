@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from travelator.bench.soak.checks import Answer
+    from travelator.bench.soak.workload import Spec
 
 
 @dataclass
@@ -25,6 +30,9 @@ class SoakConfig:
     quiesce_timeout_s: float = 30.0
     api_key: str | None = None
     require_chaos: bool | None = None  # demand preemptions, 503s and disconnects (default: own server)
+    # Everything at once: constrained outputs, priorities, shared prefixes and speculation on a
+    # batch-invariant server, and every greedy answer compared with the same request alone.
+    everything: bool = False
     # The server started here.
     num_kv_blocks: int = 24
     block_size: int = 16
@@ -34,6 +42,7 @@ class SoakConfig:
     server_threads: int = 1
     disaggregate: str | None = None  # "P:D": prefill and decode workers (serve --disaggregate)
     kill_decode_worker_after: int | None = None  # requests sent before one decode worker is killed
+    speculative_method: str | None = None  # "ngram" or "draft" (the draft model: the model itself)
     server_log: str | None = None  # where its log goes (default: a temporary file)
     verbose: bool = False
 
@@ -64,6 +73,19 @@ class SoakResult:
     killed_choices: int = 0  # their engine requests (n choices, prompt batches)
     failures: list[str] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
+    # --everything
+    phases: list[str] = field(default_factory=list)  # the speculative method of each server in turn
+    skipped: list[str] = field(default_factory=list)  # features the server does not support
+    constrained_checked: int = 0  # constrained choices that finished ("stop") and were checked
+    constrained_valid: int = 0
+    constrained_cut: int = 0  # constrained choices ended by max_tokens ("length"): not checkable
+    greedy_compared: int = 0
+    greedy_equal: int = 0
+    greedy_pending: list[tuple[Spec, Answer]] = field(default_factory=list)  # to compare alone
+    priorities: Counter = field(default_factory=Counter)
+    prefix_hit_tokens: int | None = None
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,5 +106,18 @@ class SoakResult:
                 f"5xx={self.server_errors_5xx} p50_latency_s={fmt(self.p(0.5))} "
                 f"p99_latency_s={fmt(self.p(0.99))} "
                 + (f"killed_worker=\"{self.killed_worker}\" failed_with_it={self.killed} " if self.killed_worker else "")
+                + (self._everything_part() if self.phases else "")
                 + f"self_checks={self.self_checks} duration_s={self.duration_s:.1f} "
                 f"result={'PASS' if self.ok else f'FAIL({len(self.failures)})'}")
+
+    def _everything_part(self) -> str:
+        prios = f"{min(self.priorities)}..{max(self.priorities)}" if self.priorities else "n/a"
+        spec = ("n/a" if self.draft_tokens is None
+                else f"{self.accepted_draft_tokens}/{self.draft_tokens}")
+        return (f"phases={','.join(self.phases)} "
+                + (f"skipped={','.join(self.skipped)} " if self.skipped else "")
+                + f"constrained_valid={self.constrained_valid}/{self.constrained_checked} "
+                f"constrained_cut_by_length={self.constrained_cut} "
+                f"greedy_equal_alone={self.greedy_equal}/{self.greedy_compared} "
+                f"priorities={prios} prefix_hit_tokens={'n/a' if self.prefix_hit_tokens is None else self.prefix_hit_tokens} "
+                f"spec_accepted={spec} ")

@@ -10,6 +10,8 @@ checks; without it only /metrics is read).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -20,8 +22,11 @@ import httpx
 
 from travelator.bench.soak.checks import VALID_FINISH, Outcome, at_rest_problems, chaos_problems
 from travelator.bench.soak.config import SoakConfig, SoakResult
+from travelator.bench.soak.greedy import compare_alone
 from travelator.bench.soak.send import send
-from travelator.bench.soak.workload import CHAT_MESSAGES, LONG_PROMPTS, SHORT_PROMPTS, Workload
+from travelator.bench.soak.workload import (CHAT_MESSAGES, LONG_PROMPTS, SHARED_PREFIX_PROMPTS, SHORT_PROMPTS,
+                                            Workload)
+from travelator.default_model import default_model
 from travelator.server.process import ServerProcess, free_port, serve_command
 
 
@@ -37,6 +42,14 @@ def own_server(cfg: SoakConfig) -> ServerProcess:
         args += ["--api-key", cfg.api_key]
     if cfg.disaggregate:
         args += ["--disaggregate", cfg.disaggregate, "--worker-threads", str(cfg.server_threads)]
+    if cfg.everything:
+        args += ["--batch-invariant", "--scheduling-policy", "priority"]
+    if cfg.speculative_method:
+        # fixed: drafts in every decode step, the most verification under load (adaptive may
+        # decide that a loaded batch of 8 is better off without them).
+        args += ["--speculative-method", cfg.speculative_method, "--speculative-policy", "fixed"]
+        if cfg.speculative_method == "draft":
+            args += ["--draft-model", cfg.model or default_model()]
     threads = str(cfg.server_threads)
     env = {"TRAVELATOR_DEBUG_ENDPOINTS": "1", "OMP_NUM_THREADS": threads,
            "MKL_NUM_THREADS": threads, "TRAVELATOR_STEP_TIMEOUT_S": "60"}
@@ -44,19 +57,56 @@ def own_server(cfg: SoakConfig) -> ServerProcess:
     return ServerProcess(serve_command(args, port), port, env=env, log_path=cfg.server_log)
 
 
+def phases(cfg: SoakConfig) -> tuple[list[str | None], list[str]]:
+    """The speculative method of each server in turn, and the features left out.
+
+    ``--everything`` on a server started here runs two servers one after the other, half the
+    requests each: n-gram speculation, then a draft model (the model itself), so every run
+    covers both methods (a server takes one). Disaggregated serving refuses structured outputs
+    and draft models: one n-gram phase without them. A server given by URL is taken as it is.
+    """
+    if not cfg.everything or cfg.url:
+        return [cfg.speculative_method], []
+    if cfg.disaggregate:
+        return ["ngram"], ["structured_outputs", "draft_model"]
+    return ["ngram", "draft"], []
+
+
 def run_soak(cfg: SoakConfig) -> SoakResult:
     """Run the soak; never raises for a failed check (see ``SoakResult.failures``)."""
     result = SoakResult()
-    server = None if cfg.url else own_server(cfg)
+    if cfg.everything and importlib.util.find_spec("jsonschema") is None:
+        result.failures.append("--everything checks JSON answers with jsonschema, which is not installed "
+                               "(the test extra brings it)")
+        return result
+    methods, result.skipped = phases(cfg)
     limit = cfg.time_limit_s
     if limit is None:
         limit = (cfg.duration_s if cfg.duration_s is not None else max(60.0, cfg.requests * 0.5)) + 180.0
+    start = 0
+    for k, method in enumerate(methods):
+        stop = cfg.requests * (k + 1) // len(methods)
+        if cfg.everything:
+            result.phases.append(method or "as served")
+        if not _run_phase(dataclasses.replace(cfg, speculative_method=method), result, start, stop,
+                          limit / len(methods)):
+            break
+        start = stop
+    result.failures += chaos_problems(cfg, result, own_server=cfg.url is None)
+    return result
+
+
+def _run_phase(cfg: SoakConfig, result: SoakResult, start: int, stop: int, limit: float) -> bool:
+    """Requests ``start``..``stop`` on one server (started here unless ``cfg.url``); False if
+    the server did not start."""
+    server = None if cfg.url else own_server(cfg)
+    failures_before = len(result.failures)
     try:
         if server is not None:
             server.start()
         url = cfg.url or server.base_url
         try:
-            asyncio.run(asyncio.wait_for(_drive(cfg, url, result, own=server is not None), limit))
+            asyncio.run(asyncio.wait_for(_drive(cfg, url, result, start, stop), limit))
         except asyncio.TimeoutError:
             result.failures.append(f"the run did not finish within its time limit of {limit:.0f} s")
         except (httpx.HTTPError, OSError, RuntimeError, KeyError, ValueError) as exc:
@@ -67,20 +117,21 @@ def run_soak(cfg: SoakConfig) -> SoakResult:
                 result.failures.append(f"the server exited with {code} on SIGTERM (expected 0)")
     except RuntimeError as exc:  # the server did not start
         result.failures.append(str(exc))
+        return False
     finally:
         if server is not None:
             server.kill()
-            if result.failures:
+            if len(result.failures) > failures_before:
                 print(f"soak: server log ({server.log_path}), last lines:\n{server.log_tail()}",
                       file=sys.stderr)
             server.close()
-    return result
+    return True
 
 
 # ---------------------------------------------------------------------------- the phases
 
 
-async def _drive(cfg: SoakConfig, url: str, result: SoakResult, own: bool) -> None:
+async def _drive(cfg: SoakConfig, url: str, result: SoakResult, start: int, stop: int) -> None:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     burst = cfg.effective_burst_size if cfg.burst_every else 0
     limits = httpx.Limits(max_connections=cfg.concurrency + burst + 8,
@@ -99,12 +150,17 @@ async def _drive(cfg: SoakConfig, url: str, result: SoakResult, own: bool) -> No
         before = (await client.get("/metrics")).text
         watcher = asyncio.ensure_future(_monitor(client, result)) if debug else None
         t0 = time.monotonic()
-        await _send_load(client, cfg, workload, burst, result)
-        result.duration_s = time.monotonic() - t0
+        await _send_load(client, cfg, workload, burst, result, start, stop)
+        result.duration_s += time.monotonic() - t0
         if watcher is not None:
             watcher.cancel()
+        if result.greedy_pending:
+            try:
+                await _wait_idle(client, cfg.quiesce_timeout_s, debug)  # alone means alone
+            except TimeoutError as exc:
+                result.failures.append(str(exc))
+            await compare_alone(client, cfg, result)
         await _check_at_rest(client, cfg, result, before, debug)
-    result.failures += chaos_problems(cfg, result, own)
 
 
 async def _calibrate(client: httpx.AsyncClient) -> tuple[dict[str, int], list[int | None], int]:
@@ -112,7 +168,7 @@ async def _calibrate(client: httpx.AsyncClient) -> tuple[dict[str, int], list[in
     models = (await client.get("/v1/models")).json()["data"]
     max_model_len = int(models[0].get("max_model_len") or 2048)
     counts: dict[str, int] = {}
-    for text in SHORT_PROMPTS + LONG_PROMPTS:
+    for text in SHORT_PROMPTS + LONG_PROMPTS + SHARED_PREFIX_PROMPTS:
         r = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0})
         if r.status_code == 400:  # longer than this server's context: not used
             continue
@@ -161,9 +217,9 @@ async def _kill_a_decode_worker(client: httpx.AsyncClient, result: SoakResult) -
 
 
 async def _send_load(client: httpx.AsyncClient, cfg: SoakConfig, workload: Workload, burst: int,
-                     result: SoakResult) -> None:
+                     result: SoakResult, start: int, stop: int) -> None:
     """Regular clients, ``cfg.concurrency`` at a time, and every ``cfg.burst_every`` of them a
-    burst of ``burst`` requests at once; until ``cfg.requests`` or ``cfg.duration_s``."""
+    burst of ``burst`` requests at once; requests ``start``..``stop``, or until ``cfg.duration_s``."""
     t0 = time.monotonic()
     sem = asyncio.Semaphore(cfg.concurrency)
     tasks: set[asyncio.Task] = set()
@@ -175,8 +231,8 @@ async def _send_load(client: httpx.AsyncClient, cfg: SoakConfig, workload: Workl
         finally:
             sem.release()
 
-    index = since_burst = 0
-    while index < cfg.requests:
+    index, since_burst = start, 0
+    while index < stop:
         if cfg.duration_s is not None and time.monotonic() - t0 > cfg.duration_s:
             break
         if (cfg.kill_decode_worker_after is not None and index >= cfg.kill_decode_worker_after
@@ -184,7 +240,7 @@ async def _send_load(client: httpx.AsyncClient, cfg: SoakConfig, workload: Workl
             await _kill_a_decode_worker(client, result)
         if burst and since_burst >= cfg.burst_every:
             since_burst = 0
-            for _ in range(min(burst, cfg.requests - index)):
+            for _ in range(min(burst, stop - index)):
                 tasks.add(asyncio.ensure_future(send(client, workload.make(index, burst=True), cfg, result)))
                 index += 1
             result.sent = index
@@ -210,6 +266,10 @@ def _metric(text: str, name: str, label: str | None = None) -> float | None:
                 continue
             total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _grew(before: str, after: str, name: str) -> int:
+    return int((_metric(after, name) or 0) - (_metric(before, name) or 0))
 
 
 async def _wait_idle(client: httpx.AsyncClient, timeout: float, debug: bool) -> dict | None:
@@ -243,16 +303,19 @@ async def _check_at_rest(client: httpx.AsyncClient, cfg: SoakConfig, result: Soa
         report = None
     after = (await client.get("/metrics")).text
     if report is not None:
-        result.leaked_blocks = report["kv"]["used_blocks"]
+        result.leaked_blocks = (result.leaked_blocks or 0) + report["kv"]["used_blocks"]
         result.failures += at_rest_problems(report)
     elif not debug:
         used = _metric(after, "travelator_kv_cache_used_blocks")
-        result.leaked_blocks = None if used is None else int(used)
+        result.leaked_blocks = None if used is None else (result.leaked_blocks or 0) + int(used)
         if used:
             result.failures.append(f"{used:.0f} KV blocks still in use at rest")
-    p0 = _metric(metrics_before, "travelator_num_preemptions_total") or 0
-    p1 = _metric(after, "travelator_num_preemptions_total") or 0
-    result.preemptions = int(p1 - p0)
+    result.preemptions = (result.preemptions or 0) + _grew(metrics_before, after, "travelator_num_preemptions_total")
+    if cfg.everything:
+        for field, name in (("prefix_hit_tokens", "travelator_prefix_cache_hit_tokens_total"),
+                            ("draft_tokens", "travelator_spec_draft_tokens_total"),
+                            ("accepted_draft_tokens", "travelator_spec_accepted_tokens_total")):
+            setattr(result, field, (getattr(result, field) or 0) + _grew(metrics_before, after, name))
     error = 'finished_reason="error"'
     errors = ((_metric(after, "travelator_request_success_total", error) or 0)
               - (_metric(metrics_before, "travelator_request_success_total", error) or 0))

@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from travelator.bench.soak import structured
 from travelator.bench.soak.config import SoakConfig
+from travelator.bench.soak.structured import Constraint
 
 # Prompts: short ones, and long ones (a few hundred characters) to fill KV blocks fast.
 SHORT_PROMPTS = ["Once upon a time", "Lily and Ben", "The dog", "One day, a little girl", "Tom had a big",
@@ -21,6 +23,11 @@ CHAT_MESSAGES = [
     [{"role": "user", "content": _STORY}],
 ]
 STOP_CHOICES = ["Lily", ".", "\n", " the", "!", ",", "zzz-never"]
+# --everything: prompts that share their first blocks, so that the prefix cache hits.
+SHARED_PREFIX_PROMPTS = [_STORY + tail for tail in ("Lily said", "Then her mom came", "The ball", "Ben saw her and")]
+PRIORITIES = range(0, 10)  # any int is allowed; lower runs first
+CONSTRAINED_RATE = 0.15
+SHARED_PREFIX_RATE = 0.3
 
 
 @dataclass
@@ -37,6 +44,12 @@ class Spec:
     burst: bool = False
     disconnect: str | None = None  # None, "early", "mid", "wait"
     disconnect_after: float = 0.0  # seconds ("early", "wait") or chunks ("mid")
+    constraint: Constraint | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy with one choice: its answer must equal the same request run alone."""
+        return not self.invalid and self.choices == 1 and self.body.get("temperature") == 0
 
 
 class Workload:
@@ -50,6 +63,9 @@ class Workload:
         self.short = [t for t in SHORT_PROMPTS if t in prompt_tokens]
         self.long = [t for t in LONG_PROMPTS if t in prompt_tokens] or self.short
         self.chats = [i for i, n in enumerate(chat_tokens) if n is not None]
+        self.shared = [t for t in SHARED_PREFIX_PROMPTS if t in prompt_tokens]
+        # Disaggregated serving refuses structured outputs (the grammar's state does not move).
+        self.constrained = cfg.everything and not cfg.disaggregate
 
     def _room(self, n_prompt: int) -> int:
         return max(1, self.max_model_len - n_prompt - 1)
@@ -127,6 +143,8 @@ class Workload:
             if rng.random() < 0.5:
                 body["stream_options"] = {"include_usage": True}
         spec = Spec(index, path, body, stream, prompts * n, max_tokens, stops, include, burst=burst)
+        if cfg.everything:
+            self._everything(spec, n_prompt, random.Random(f"{cfg.seed}-{index}-everything"))
         if not burst and rng.random() < cfg.disconnect_rate:
             mode = rng.choice(["early", "mid", "wait"] if stream else ["early", "wait"])
             spec.disconnect = mode
@@ -137,6 +155,27 @@ class Workload:
             else:
                 spec.disconnect_after = rng.uniform(0.02, 0.5)
         return spec
+
+    def _everything(self, spec: Spec, n_prompt: int, rng: random.Random) -> None:
+        """Priorities, shared-prefix prompts and constraints on top of the regular mix (their
+        own random stream, so the rest of the mix is the same as without them)."""
+        body = spec.body
+        body["priority"] = rng.choice(PRIORITIES)
+        if spec.burst:
+            return
+        if self.shared and isinstance(body.get("prompt"), str) and rng.random() < SHARED_PREFIX_RATE:
+            text = rng.choice(self.shared)
+            body["prompt"] = text
+            n_prompt = self.prompt_tokens[text]
+            spec.max_tokens = body["max_tokens"] = min(spec.max_tokens, self._room(n_prompt))
+        if self.constrained and rng.random() < CONSTRAINED_RATE:
+            spec.constraint, fields = structured.pick(rng)
+            body.update(fields)
+            # Room to finish the grammar; no stop strings or ignore_eos, which would cut it.
+            spec.max_tokens = body["max_tokens"] = min(64, self._room(n_prompt))
+            for key in ("stop", "include_stop_str_in_output", "ignore_eos"):
+                body.pop(key, None)
+            spec.stops, spec.include_stop = [], False
 
     def _invalid(self, index: int, rng: random.Random) -> Spec:
         bodies = [
