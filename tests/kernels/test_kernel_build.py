@@ -66,10 +66,15 @@ def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
     assert "building the native kernels for this CPU" in err
 
 
-def test_the_cache_key_follows_the_headers_the_build_names(monkeypatch):
+def test_the_cache_key_follows_the_paths_the_build_names(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     key = kernels._build_key()
     paths = cpp_extension.include_paths()
     monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/another/venv/include"] + paths)
-    assert kernels._build_key() != key
+    other_venv = kernels._build_key()
+    monkeypatch.undo()
+    copy = tmp_path / "csrc"  # the same sources in another checkout
+    shutil.copytree(kernels._CSRC, copy)
+    monkeypatch.setattr(kernels, "_CSRC", copy)
+    assert len({key, other_venv, kernels._build_key()}) == 3

@@ -1,8 +1,8 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension tooling.
 
 The build is cached per source, torch installation and CPU (it is compiled with
-``-march=native``, so a cache made on one CPU is never loaded on another; two virtualenvs get
-two entries, as their build files name their own headers). Where no compiler is available the
+``-march=native``, so a cache made on one CPU is never loaded on another; two virtualenvs or
+two checkouts get two entries, as their build files name their own headers and sources). Where no compiler is available the
 engine falls back to the pure-torch path, with a warning.
 
 One process builds an entry at a time, under an ``fcntl`` lock that the kernel releases when
@@ -73,8 +73,9 @@ def _build_key() -> str:
         h.update((_CSRC / name).read_bytes())
     h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
-    # What the generated build file names: this torch's headers and this Python's.
-    h.update(" ".join(cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]).encode())
+    # What the generated build file names: the sources' own path (two checkouts of the same
+    # sources would otherwise rebuild each other's entry), this torch's headers and this Python's.
+    h.update(" ".join([str(_CSRC)] + cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]).encode())
     h.update(_cpu_signature().encode())
     return h.hexdigest()[:16]
 
