@@ -148,7 +148,7 @@ def _gguf_gemma3(keys: GgufMetadata, fields: dict) -> dict:
         if len(slides) != layers:
             raise ValueError(f"gemma3: sliding_window_pattern has {len(slides)} flags for {layers} layers")
     else:  # a period: every period-th layer is global (0: none is)
-        period = keys.int("attention.sliding_window_pattern", low=0, high=MAX_LAYERS)
+        period = keys.int("attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD, low=0, high=MAX_LAYERS)
         slides = [period == 0 or i % period < period - 1 for i in range(layers)]
     kind = keys.str("rope.scaling.type", "none")
     if kind not in ("none", "linear"):
