@@ -10,6 +10,7 @@ from hf_models import build_checkpoint
 from paths import STORIES, needs_stories
 from travelator import LLM, SamplingParams
 from travelator.errors import InvalidRequestError
+from travelator.model.model_file_error import ModelFileError
 from travelator.sampling_params import StopLimits
 
 pytestmark = needs_stories
@@ -106,26 +107,30 @@ def test_unknown_model_path(tmp_path):
 def test_corrupt_safetensors(tmp_path):
     path = build_checkpoint(tmp_path / "m", "llama")
     (path / "model.safetensors").write_bytes(b"\x00garbage" * 100)
-    with pytest.raises(ValueError, match="could not read weights file"):
+    with pytest.raises(ModelFileError, match="is not a readable safetensors file") as e:
         LLM(str(path))
+    assert e.value.path == str(path / "model.safetensors")
 
 
 def test_truncated_safetensors_tensor(tmp_path):
     path = build_checkpoint(tmp_path / "m", "llama")
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="could not read weights file"):
+    with pytest.raises(ModelFileError, match="is not a readable safetensors file") as e:
         LLM(str(path))
+    assert e.value.path == str(path / "model.safetensors")
 
 
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(STORIES.read_bytes()[:4096])
-    with pytest.raises(ValueError, match="could not read GGUF"):
+    with pytest.raises(ModelFileError, match=r"truncated\?") as e:
         LLM(str(bad))
+    assert e.value.path == str(bad)
     bad.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ValueError, match="could not read GGUF"):
+    with pytest.raises(ModelFileError, match="magic") as e:
         LLM(str(bad))
+    assert e.value.path == str(bad) and e.value.field == "header"
 
 
 def test_kv_pool_smaller_than_context_is_refused():

@@ -51,7 +51,7 @@ class DraftModel:
         if source.weights is None:
             model.init_dummy_weights(1)  # not the target's seed: another random model
         else:
-            model.load_weights(source.weights())
+            model.load_weights(source.weights(), source=source.name)
         self.model = model.to(device)
         ops.prepare(self.model.linear_weights())
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

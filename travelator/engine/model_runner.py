@@ -247,7 +247,7 @@ def _load_model(config: ModelConfig, arch: ModelArch, weights: WeightIterator | 
     if weights is None:
         model.init_dummy_weights(config.seed)
     else:
-        model.load_weights(weights())
+        model.load_weights(weights(), source=config.model)
     model = model.to(device)  # the CPU's model; already there elsewhere
     ops.prepare(model.linear_weights())
     return model

@@ -32,6 +32,7 @@ from travelator.model.blocks import MLP, Attention, param
 from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
 from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
+from travelator.model.model_file_error import ModelFileError
 from travelator.model.moe import SparseMoE
 from travelator.model.stacked_experts import StackedExperts
 from travelator.model.ops import TorchOps
@@ -187,13 +188,14 @@ class LlamaModel(nn.Module):
         return logits
 
     # ---- weights --------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into our layout.
 
         With tensor parallelism each incoming tensor is cut to this rank's shard as it
         streams in, so a rank never holds more than its shard plus one full tensor.
         Every parameter must be written exactly once; a missing or unexpected
-        tensor is an error, so a truncated or foreign checkpoint never runs.
+        tensor, or one of another shape than the model's config gives, is a ModelFileError
+        of ``source`` (the model's path), so a truncated or foreign checkpoint never runs.
         """
         params = dict(self.named_parameters())
         written: set[str] = set()
@@ -201,26 +203,30 @@ class LlamaModel(nn.Module):
         builders: dict[str, QuantizedBuilder] = {}  # quantized weights being filled
         for name, tensor in StackedExperts().per_expert(weights):
             name = name.removeprefix("model.")
-            mapped = self._checkpoint_target(name)
+            try:
+                mapped = self._checkpoint_target(name)
+            except KeyError:
+                raise ModelFileError(source, f"tensor {name}", "is not a tensor of this model") from None
             if mapped is None:
                 continue
             target, part = mapped
             if target not in params:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+                raise ModelFileError(source, f"tensor {name}", "is not a tensor of this model")
             earlier_parts = parts_written.get(target, 0)
             if part is not None:
                 parts_written[target] = earlier_parts + 1
-            self._load_tensor(name, tensor, target, part, params[target], earlier_parts, builders)
+            self._load_tensor(name, tensor, target, part, params[target], earlier_parts, builders, source)
             if part is None or parts_written[target] == len(self.shards[target].parts):
                 written.add(target)
                 if target in builders:
                     self._install(target, builders.pop(target).finish())
         missing = set(params) - written
         if missing:
-            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:5]}")
+            raise ModelFileError(source, None, f"tensors are missing: {sorted(missing)[:5]}")
 
     def _load_tensor(self, name: str, tensor: torch.Tensor | BlockQuantized, target: str, part: int | None,
-                     param: torch.Tensor, earlier_parts: int, builders: dict[str, QuantizedBuilder]) -> None:
+                     param: torch.Tensor, earlier_parts: int, builders: dict[str, QuantizedBuilder],
+                     source: str) -> None:
         """One checkpoint tensor (a whole weight, or part ``part`` of a fused one) into this
         rank's shard of its parameter, or into the builder of its quantized weight."""
         size = self.tp_size
@@ -229,9 +235,8 @@ class LlamaModel(nn.Module):
         if part is not None:
             full_shape = shard.part_shape(full_shape, part)
         if tuple(tensor.shape) != tuple(full_shape):
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full_shape)}"
-            )
+            raise ModelFileError(source, f"tensor {name}", f"has shape {tuple(tensor.shape)}; the model's "
+                                                           f"config gives {tuple(full_shape)}")
         if not shard.held_by(self.tp_rank):
             return  # another rank's expert
         dest = param.data
@@ -263,14 +268,14 @@ class LlamaModel(nn.Module):
 
     def _checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """(our parameter, index of the fused part) of an HF tensor name, or None for a tensor
-        that is not loaded. ValueError for a name this model does not have."""
+        that is not loaded. KeyError for a name this model does not have."""
         if name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: some checkpoints store the copy anyway
         if name in _MODEL_TENSORS:
             return _MODEL_TENSORS[name], None
-        if name.startswith("layers."):
+        if name.startswith("layers.") and name.count(".") >= 2:
             _, idx, rest = name.split(".", 2)
             if rest in _LAYER_TENSORS:
                 field, part = _LAYER_TENSORS[rest]
@@ -278,7 +283,7 @@ class LlamaModel(nn.Module):
             expert = _expert_target(rest)
             if expert is not None:
                 return f"layers.{idx}.{expert[0]}", expert[1]
-        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        raise KeyError(name)
 
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights with a realistic scale, for benchmarks without a download.

@@ -16,8 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from travelator.model.arch import (GEMMA3_FEATURES, GGUF_ARCHITECTURES, QK_NORM_FAMILIES, ModelArch, preset,
-                                   unsupported_architecture)
+from travelator.model.arch import GGUF_ARCHITECTURES, ModelArch, preset, unsupported_architecture
+from travelator.model.arch_check import check_fits, check_hf_config
+from travelator.model.gguf_arch import GGUF_ROUTER, gguf_arch
+from travelator.model.gguf_layout import check_gguf_layout
+from travelator.model.gguf_metadata import GgufMetadata
+from travelator.model.model_file_error import ModelFileError
 from travelator.model.quant import BlockQuantized, parse_gguf_blocks
 from travelator.model.tokenizer import Tokenizer
 
@@ -66,13 +70,17 @@ def _open_hf_dir(path: Path) -> ModelSource:
     if not config_file.exists():
         raise FileNotFoundError(f"{path} has no config.json")
     try:
-        cfg = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-    arch = ModelArch.from_hf_config(cfg)
+        cfg = json.loads(config_file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(config_file, None, f"is not valid JSON: {e}") from None
+    check_hf_config(cfg, config_file)
+    arch = _arch_of(config_file, lambda: ModelArch.from_hf_config(cfg))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    for f in files:
+        _check_safetensors(f)
+    check_fits(arch, sum(f.stat().st_size for f in files), config_file)
     if (path / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_pretrained_dir(path)
     else:
@@ -81,6 +89,31 @@ def _open_hf_dir(path: Path) -> ModelSource:
         tokenizer = Tokenizer.byte_level(arch.vocab_size)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     return ModelSource(str(path), arch, tokenizer, lambda: _iter_safetensors(files), dtype)
+
+
+def _arch_of(path: Path, read: Callable[[], ModelArch]) -> ModelArch:
+    """``read()``'s ModelArch; what it finds wrong (a missing key, sizes that do not fit
+    together) as a ModelFileError of the file at ``path``."""
+    try:
+        return read()
+    except ModelFileError:
+        raise
+    except KeyError as e:
+        raise ModelFileError(path, str(e.args[0]), "is missing") from None
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise ModelFileError(path, None, str(e)) from None
+
+
+def _check_safetensors(f: Path) -> None:
+    """Read the file's header (safetensors checks that every tensor's shape and dtype fill its
+    byte range, and the ranges the file), no tensor yet."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            st.keys()
+    except (SafetensorError, OSError) as e:
+        raise ModelFileError(f, None, f"is not a readable safetensors file: {e}") from None
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,18 +125,16 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"could not read weights file {f}: {e}") from None
+            raise ModelFileError(f, None, f"could not be read: {e}") from None
 
 
 # ---- GGUF ----------------------------------------------------------------------------
 _GGUF_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                 "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # A mixture's experts, stacked in one tensor per projection [experts, out, in]: HF's name of
-# each expert's piece ({e}: the expert), and the router.
+# each expert's piece ({e}: the expert); the router is GGUF_ROUTER.
 _GGUF_EXPERTS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
                  "ffn_down_exps": "mlp.experts.{e}.down_proj"}
-_GGUF_ROUTER = "ffn_gate_inp"
-_GGUF_SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid
 # llama.cpp's names of a layer's tensors -> HF's (without "model.layers.N."), in every family
 # but where _GGUF_FAMILY_NAMES says otherwise.
 _GGUF_NAMES = {
@@ -114,7 +145,7 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    _GGUF_ROUTER: "mlp.gate",
+    GGUF_ROUTER: "mlp.gate",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
@@ -131,181 +162,45 @@ _GGUF_FAMILY_NAMES = {
 }
 # Model-level tensors read into ModelArch, not loaded as weights (Phi-3's LongRoPE factors).
 _GGUF_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-_GEMMA3_SWA_PERIOD = 6  # llama.cpp's Gemma 3 default: every sixth layer is global
-_GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # llama.cpp's Gemma 3 default when the file names none
 
 
 def _open_gguf(path: Path) -> ModelSource:
     import gguf
 
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on damaged files
-        raise ValueError(f"could not read GGUF file {path}: {e}") from None
-
-    def field(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    name = field("general.architecture")
+    except Exception as e:  # what the layout leaves to the reader: a duplicate key or tensor name
+        raise ModelFileError(path, None, f"could not be read as GGUF: {e}") from None
+    meta = GgufMetadata(reader, path)
+    name = meta.str("general.architecture", None)
     family = GGUF_ARCHITECTURES.get(name)
     if family is None:
-        raise unsupported_architecture(name)
-
-    def arch_field(key: str, default=None):  # "llama.block_count", "qwen3.block_count", ...
-        return field(f"{name}.{key}", default)
-
+        raise ModelFileError(path, "general.architecture", str(unsupported_architecture(name)))
     tensors = {t.name: t for t in reader.tensors}
-    tokenizer = Tokenizer.from_gguf(reader)
-    arch = _gguf_arch(family, arch_field, tensors, tokenizer)
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except ModelFileError:
+        raise
+    except Exception as e:  # a vocabulary of the wrong types, the tokenizers library's errors
+        raise ModelFileError(path, "tokenizer.ggml", f"the vocabulary cannot be read: {e}") from None
+    arch = _arch_of(path, lambda: gguf_arch(family, meta.under(f"{name}."), tensors, tokenizer))
+    check_fits(arch, path.stat().st_size, path)
     all_f32 = all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in reader.tensors)
     dtype = "float32" if all_f32 else None
-    return ModelSource(str(path), arch, tokenizer, lambda: _iter_gguf(reader, arch), dtype)
+    return ModelSource(str(path), arch, tokenizer, lambda: _file_errors(path, _iter_gguf(reader, arch)), dtype)
 
 
-def _gguf_arch(family: str, arch_field, tensors: dict, tokenizer: Tokenizer) -> ModelArch:
-    """The model's shape from its GGUF metadata (``arch_field``: a key under the architecture's
-    name), its tensor names and its tokenizer's special ids."""
-    n_heads = int(arch_field("attention.head_count"))
-    hidden = int(arch_field("embedding_length"))
-    head_dim = int(arch_field("attention.key_length", hidden // n_heads))
-    rotary = arch_field("rope.dimension_count")
-    fields = dict(
-        family=family,
-        vocab_size=int(arch_field("vocab_size", tokenizer.vocab_size)),
-        hidden_size=hidden,
-        intermediate_size=int(arch_field("feed_forward_length")),
-        num_layers=int(arch_field("block_count")),
-        num_heads=n_heads,
-        num_kv_heads=int(arch_field("attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(arch_field("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(arch_field("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(arch_field("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm=family in QK_NORM_FAMILIES,
-        # Partial rotary (Phi-4-mini): rope turns the first rope.dimension_count numbers of a head.
-        rotary_dim=int(rotary) if rotary is not None and int(rotary) != head_dim else None,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
-    )
-    if arch_field("expert_count"):
-        fields |= _gguf_experts(family, arch_field, tensors, fields["num_layers"])
-    if family == "gpt_oss":
-        fields |= _gguf_gpt_oss(arch_field, tensors, fields["num_layers"])
-    if family == "phi3":
-        fields |= _gguf_phi3(arch_field, tensors)
-    elif family == "gemma3":
-        fields |= _gguf_gemma3(arch_field, fields)
-    return ModelArch(**fields)
-
-
-def _gguf_experts(family: str, arch_field, tensors: dict, layers: int) -> dict:
-    """A mixture of experts as llama.cpp reads it: a llama file with experts is Mixtral; the
-    experts' width is expert_feed_forward_length (Mixtral's: feed_forward_length); the top-k is
-    renormalised unless expert_weights_norm says otherwise (llama.cpp renormalises both
-    families'); a layer without a router keeps a dense MLP."""
-    if family not in ("llama", "qwen3_moe", "gpt_oss"):
-        raise ValueError(f"{family} GGUF files with experts are not supported")
-    if int(arch_field("expert_shared_count", 0)):
-        raise ValueError("shared experts are not supported")
-    if int(arch_field("expert_gating_func", _GGUF_SOFTMAX_GATING)) != _GGUF_SOFTMAX_GATING:
-        raise ValueError("only softmax expert gating is supported")
-    width = arch_field("expert_feed_forward_length") or arch_field("feed_forward_length")
-    return dict(
-        family="mixtral" if family == "llama" else family,
-        num_experts=int(arch_field("expert_count")),
-        experts_per_token=int(arch_field("expert_used_count")),
-        expert_intermediate_size=int(width),
-        norm_topk_prob=bool(arch_field("expert_weights_norm", True)),
-        dense_layers=tuple(i for i in range(layers) if f"blk.{i}.{_GGUF_ROUTER}.weight" not in tensors),
-    )
-
-
-_GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp's gpt-oss: the file carries neither limit nor alpha
-
-
-def _gguf_gpt_oss(arch_field, tensors: dict, layers: int) -> dict:
-    """gpt-oss as llama.cpp reads it: every other layer slides (the even ones) over
-    attention.sliding_window keys, sinks, biases, the clamped SwiGLU, and YaRN from
-    rope.scaling.*, whose correction range llama.cpp truncates to whole pairs."""
-    window = int(arch_field("attention.sliding_window"))
-    kind = arch_field("rope.scaling.type", "none")
-    if kind not in ("none", "yarn"):
-        raise ValueError(f"gpt-oss: rope scaling {kind!r} is not supported (supported: yarn)")
-    scaling = None
-    if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": float(arch_field("rope.scaling.factor")), "truncate": True,
-                   "original_max_position_embeddings": int(arch_field("rope.scaling.original_context_length"))}
-    return dict(
-        sliding_window=window, layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                                 for i in range(layers)),
-        output_bias="blk.0.attn_output.bias" in tensors, attention_sinks=True, expert_bias=True,
-        swiglu_limit=_GPT_OSS_SWIGLU_LIMIT, rope_scaling=scaling,
-    )
-
-
-def _gguf_phi3(arch_field, tensors) -> dict:
-    """Phi-3's LongRoPE, as llama.cpp's converter writes it: the long and short factors as the
-    tensors rope_factors_long / rope_factors_short (one per rotary pair), the pretraining length
-    as rope.scaling.original_context_length and the attention factor as rope.scaling.attn_factor
-    (files without factors turn plainly). The sliding window (0: none) is kept as the HF config's
-    is (llama.cpp ignores Phi-3's window; transformers applies it)."""
-    window = int(arch_field("attention.sliding_window", 0)) or None
-    if "rope_factors_long.weight" not in tensors:
-        return {"sliding_window": window}
-
-    def factors(name: str) -> list[float]:
-        return [float(x) for x in np.asarray(tensors[name].data, dtype=np.float32).reshape(-1)]
-
-    scaling = {
-        "rope_type": "longrope",
-        "long_factor": factors("rope_factors_long.weight"),
-        "short_factor": factors("rope_factors_short.weight"),
-        # llama.cpp's default: the context length (no extension)
-        "original_max_position_embeddings": int(arch_field("rope.scaling.original_context_length",
-                                                           arch_field("context_length"))),
-        "max_position_embeddings": int(arch_field("context_length")),
-    }
-    attn_factor = arch_field("rope.scaling.attn_factor")
-    if attn_factor is not None:
-        scaling["attention_factor"] = float(attn_factor)
-    return {"rope_scaling": scaling, "sliding_window": window}
-
-
-def _gguf_gemma3(arch_field, fields: dict) -> dict:
-    """Gemma 3 as llama.cpp reads it. A window (attention.sliding_window > 0) makes every layer
-    slide but every sixth, or those attention.sliding_window_pattern names (a period, or a flag
-    per layer); sliding layers turn by rope.freq_base_swa (10000 without it), unscaled, the global
-    ones by rope.freq_base with rope.scaling (linear). The file carries no query_pre_attn_scalar:
-    llama.cpp scales scores by head_dim ** -0.5, and by (hidden / heads) ** -0.5 for the 62 layers
-    of the 27B (whose query_pre_attn_scalar is that), and so does this."""
-    layers, hidden, heads = fields["num_layers"], fields["hidden_size"], fields["num_heads"]
-    window = int(arch_field("attention.sliding_window", 0)) or None
-    pattern = arch_field("attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD)
-    if isinstance(pattern, list):
-        slides = [bool(x) for x in pattern]
-        if len(slides) != layers:
-            raise ValueError(f"gemma3: sliding_window_pattern has {len(slides)} flags for {layers} layers")
-    else:  # a period: every period-th layer is global (0: none is)
-        period = int(pattern)
-        slides = [period == 0 or i % period < period - 1 for i in range(layers)]
-    kind = arch_field("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
-        raise ValueError(f"gemma3: rope scaling {kind!r} is not supported (supported: linear)")
-    factor = float(arch_field("rope.scaling.factor", 1.0))
-    cap = arch_field("final_logit_softcapping")
-    scalar = hidden // heads if layers == 62 else fields["head_dim"]
-    return dict(
-        rope_scaling={"rope_type": "linear", "factor": factor} if kind == "linear" and factor != 1.0 else None,
-        sliding_window=window,
-        layer_types=tuple("sliding_attention" if s else "full_attention" for s in slides),
-        local_rope_theta=float(arch_field("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
-        **GEMMA3_FEATURES,
-        attention_scale=scalar ** -0.5,
-        final_logit_softcapping=float(cap) if cap else None,
-    )
+def _file_errors(path: Path, weights: Iterator[tuple[str, torch.Tensor | BlockQuantized]]
+                 ) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
+    """``weights``, what goes wrong reading them (a tensor of a shape or type its place does not
+    take) as a ModelFileError of the file at ``path``."""
+    try:
+        yield from weights
+    except ModelFileError:
+        raise
+    except (ValueError, TypeError, IndexError) as e:
+        raise ModelFileError(path, None, str(e)) from None
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as RustTokenizer
 
 from travelator.model.gguf_vocab import GGUF_BPE_PRE_TOKENIZERS, SPIECE_UNDERLINE, read_gguf_vocab, template_processor
+from travelator.model.model_file_error import ModelFileError
 
 if TYPE_CHECKING:
     import gguf
@@ -111,7 +112,10 @@ class Tokenizer:
         `self.add_bos_token` reports the outcome.
         """
         path = Path(path)
-        tk = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            tk = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise ModelFileError(path / "tokenizer.json", None, f"is not a readable tokenizer: {e}") from None
         cfg = _read_json(path / "tokenizer_config.json")
         gen_cfg = _read_json(path / "generation_config.json")
         model_cfg = _read_json(path / "config.json")
@@ -317,8 +321,10 @@ def _compile_template(source: str) -> jinja2.Template:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(path, None, f"is not valid JSON: {e}") from None
     return data if isinstance(data, dict) else {}
 
 
