@@ -6,6 +6,7 @@ bug rather than a float rounding difference.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -165,3 +166,26 @@ def assert_greedy_matches(llm, ref, prompts: list[list[int]], max_tokens: int, a
         want = reference_logprobs(ref, prompt + out.token_ids)
         for i, lp in enumerate(out.logprobs):
             assert abs(lp.logprob - float(want[len(prompt) - 1 + i][lp.token_id])) <= abs_logprob, (i, lp)
+
+
+def mxfp4_checkpoint(path: Path) -> Path:
+    """A gpt-oss checkpoint with random MXFP4 experts in place of float ones, as the released
+    checkpoints store them ([experts, out, in / 32, 16] codes, [experts, out, in / 32] scales)."""
+    build_checkpoint(path, "gpt_oss", **dict(gpt_oss_overrides(), intermediate_size=64))
+    randomize(path, ("bias", "sinks"), 0.5)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = weights.pop(name).shape
+        weights[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g,
+                                                  dtype=torch.uint8)
+        weights[name + "_scales"] = torch.randint(122, 130, (experts, outputs, inputs // 32), generator=g,
+                                                  dtype=torch.uint8)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path

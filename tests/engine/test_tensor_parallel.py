@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_models import (build_checkpoint, gemma3_overrides, gpt_oss_overrides, load_reference, mixtral_overrides,
-                       phi3_overrides, qwen3_moe_overrides, randomize, reference_greedy)
+                       mxfp4_checkpoint, phi3_overrides, qwen3_moe_overrides, randomize, reference_greedy)
 from staggered import greedy, run_staggered
 from travelator import LLM
 from travelator.engine.tp_executor import TensorParallelError
@@ -73,6 +73,27 @@ def test_placed_experts_match_tp1_and_transformers(family, tmp_path):
     total = sum(p.numel() * p.element_size() for p in one.engine.runner.model.parameters())
     for m in mem:
         assert abs(m["weights"] - total / 2) < 0.05 * total, (m, total)
+
+
+def test_placed_mxfp4_experts_stay_4_bit(tmp_path):
+    """gpt-oss's MXFP4 experts, placed whole on their ranks, keep their blocks (no rank cuts
+    them): the same tokens as one rank, which keeps them too."""
+    from travelator.model.quant import Int4Weight
+
+    path = mxfp4_checkpoint(tmp_path)
+    prompts = [[1, 7, 99, 250, 3, 18, 42, 77], [1, 5, 6, 7, 8, 9]]
+    one = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16)
+    want = [r.token_ids for r in one.generate(prompts, greedy(8), use_tqdm=False)]
+    two = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2,
+              expert_parallel=True)
+    try:
+        got = [r.token_ids for r in two.generate(prompts, greedy(8), use_tqdm=False)]
+    finally:
+        two.shutdown()
+    assert got == want
+    experts = two.engine.runner.runner.model.layers[0].mlp.experts
+    assert isinstance(experts[0].gate_up_weight, Int4Weight) and experts[0].gate_up_weight.codebook == "e2m1"
+    assert experts[1].gate_up_weight.numel() == 0  # rank 1's
 
 
 def check_tp2_against_tp1_and_transformers(family, tmp_path, **parallel):

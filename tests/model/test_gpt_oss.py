@@ -5,37 +5,14 @@ transformers' rope functions."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from hf_models import build_checkpoint, gpt_oss_overrides, randomize, reference_greedy, reference_logprobs
+from hf_models import mxfp4_checkpoint, reference_greedy, reference_logprobs
 from travelator import LLM, SamplingParams
 from travelator.model.layers import rope_inv_freq
 from travelator.model.quant import Int4Weight
-
-
-def mxfp4_checkpoint(path):
-    """A gpt-oss checkpoint with random MXFP4 experts in place of float ones, as the released
-    checkpoints store them ([experts, out, in / 32, 16] codes, [experts, out, in / 32] scales)."""
-    build_checkpoint(path, "gpt_oss", **dict(gpt_oss_overrides(), intermediate_size=64))
-    randomize(path, ("bias", "sinks"), 0.5)
-    weights = load_file(path / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, inputs, outputs = weights.pop(name).shape
-        weights[name + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g,
-                                                  dtype=torch.uint8)
-        weights[name + "_scales"] = torch.randint(122, 130, (experts, outputs, inputs // 32), generator=g,
-                                                  dtype=torch.uint8)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
 
 
 @pytest.fixture(scope="module")

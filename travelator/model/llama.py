@@ -245,7 +245,8 @@ class LlamaModel(nn.Module):
         builder = builders.get(target)
         if builder is None:  # the first of its tensors (or all so far went in as float)
             local_shape = tuple(param.shape)
-            fmt = self.quant_policy.for_checkpoint(target, tensor, local_shape, earlier_parts)
+            fmt = self.quant_policy.for_checkpoint(target, tensor, local_shape, earlier_parts,
+                                                   whole=shard.owner is not None)
             if fmt is not None:
                 builder = builders[target] = QuantizedBuilder(local_shape, fmt.method, fmt.group_size, fmt.codebook)
         if isinstance(tensor, BlockQuantized) and builder is None:
@@ -254,7 +255,7 @@ class LlamaModel(nn.Module):
         if builder is None:
             dest.copy_(self._rank_piece(tensor, target, part))
         elif isinstance(tensor, BlockQuantized):
-            builder.write_blocks(row0, tensor)  # one rank: no shard to cut
+            builder.write_blocks(row0, tensor)  # one rank, or a placed expert: no shard to cut
         else:
             builder.write_rows(row0, self._rank_piece(tensor, target, part))
 

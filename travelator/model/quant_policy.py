@@ -6,8 +6,8 @@ Two sources of quantized weights:
 - ``quantization`` int8 or int4: every QUANTIZABLE layer is quantized as its rows stream in
   (int4 where the layer's shape allows it, else int8; an untied LM head by its own method).
 - otherwise a GGUF file's blocks (``BlockQuantized``; an MXFP4 checkpoint's too) stay quantized
-  in their own form, on one rank (``keep_gguf_quants``), unless an earlier part of the same
-  fused weight was float.
+  in their own form, on one rank or in an expert placed whole on its rank (``keep_gguf_quants``),
+  unless an earlier part of the same fused weight was float.
 """
 
 from __future__ import annotations
@@ -78,18 +78,21 @@ class QuantPolicy:
         return QuantFormat(self.method_for(target, shape), self.group_size)
 
     def for_checkpoint(self, target: str, first: torch.Tensor | BlockQuantized, shape: tuple[int, int],
-                       earlier_parts: int) -> QuantFormat | None:
+                       earlier_parts: int, whole: bool = False) -> QuantFormat | None:
         """How the weight ``target`` (this rank's ``shape``) is stored, decided at the first of
         its checkpoint tensors to arrive, ``first`` (None: into the parameter as it is).
         ``earlier_parts``: parts of the same fused weight already written, as float (a GGUF
-        weight whose first part was float stays float: its rows are already in the parameter)."""
+        weight whose first part was float stays float: its rows are already in the parameter).
+        ``whole``: this rank holds the weight whole (an expert placed on it), so its blocks
+        need no cutting, whatever the ranks."""
         if not target.endswith(QUANTIZABLE):
             return None
         if self.quantization is not None:
             if not self.quantizes(target):  # an LM head kept as loaded
                 return None
             return QuantFormat(self.method_for(target, shape), self.group_size)
-        if isinstance(first, BlockQuantized) and self.keep_gguf_quants and self.tp_size == 1 and earlier_parts == 0:
+        if (isinstance(first, BlockQuantized) and self.keep_gguf_quants and (self.tp_size == 1 or whole)
+                and earlier_parts == 0):
             method: QuantMethod = first.method
             if method == "int4" and not int4_shape_ok(*shape, GGUF_BLOCK):
                 return QuantFormat("int8", GGUF_BLOCK)
