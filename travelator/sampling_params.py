@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields, replace
 
 from travelator.errors import InvalidRequestError
@@ -71,9 +72,20 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        self._take_integers()
         if self.top_k < 0:
             self.top_k = 0
         self.validate()
+
+    def _take_integers(self) -> None:
+        """Integer fields as Python ints (a numpy integer or a bool is one), within the bounds
+        every rank's messages carry (csrc and msgpack take 64-bit integers): InvalidRequestError
+        naming the field otherwise."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _integer(value, name, _SEED_RANGE if name == "seed" else _COUNT_RANGE))
+        self.stop_token_ids = [_integer(t, "stop_token_ids", _COUNT_RANGE) for t in self.stop_token_ids]
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the field at fault."""
@@ -139,7 +151,10 @@ class SamplingParams:
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of ``n``: one sample, with its own seed (``seed +
         index``), so that the choices differ but each stays reproducible."""
-        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed > _SEED_RANGE[1]:
+            seed -= 1 << 64  # the same 64 bits
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
@@ -156,3 +171,16 @@ class SamplingParams:
 
 # Every float field, each checked to be finite (annotations are strings here).
 _FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type == "float")
+_INT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type in ("int", "int | None"))
+_COUNT_RANGE = (-(2**31), 2**31 - 1)  # counts, token ids, top-k: far past any model's
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what the API takes as a seed
+
+
+def _integer(value: object, name: str, bounds: tuple[int, int]) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name) from None
+    if not bounds[0] <= number <= bounds[1]:
+        raise InvalidRequestError(f"{name} must be in [{bounds[0]}, {bounds[1]}]", name)
+    return number

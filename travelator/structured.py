@@ -43,6 +43,9 @@ class StructuredOutput:
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of non-empty strings",
                                       "structured_outputs.choice")
+        if self.json is not None and not _integers_fit(self.json):
+            # A tensor-parallel engine sends the schema to every rank in 64-bit integers.
+            raise InvalidRequestError("the schema holds an integer outside [-2^63, 2^64)", "structured_outputs.json")
         # Raise InvalidRequestError when the schema, regex or grammar does not compile.
         text = ""
         try:
@@ -76,3 +79,12 @@ class StructuredOutput:
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in self.choice))
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+def _integers_fit(value: Any) -> bool:
+    """Whether every integer in a JSON value fits 64 bits (signed, or unsigned above)."""
+    if isinstance(value, dict):
+        return all(_integers_fit(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_integers_fit(v) for v in value)
+    return not isinstance(value, int) or -(2**63) <= value < 2**64

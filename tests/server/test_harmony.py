@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from hf_models import build_checkpoint, gpt_oss_overrides
 from live import serve_in_thread
-from travelator import LLM
+from travelator import LLM, StopLimits
 from travelator.chat import ChatMessageError, render_chat
 from travelator.engine.async_engine import AsyncEngine
 from travelator.engine.detokenizer import IncrementalDetokenizer
@@ -323,6 +323,10 @@ def test_the_chat_route_reads_channels_from_a_gpt_oss_model(gpt_oss_dir):
         assert _stream(client, **base, extra_body={"structured_outputs": {"grammar": CALL}}) == (
             choice.message.model_extra["reasoning_content"], None, [("get_weather", call.function.arguments)],
             "tool_calls")
+        # The server's own stop tokens do not count against the client's limit.
+        r = client.chat.completions.create(**dict(base, max_tokens=4), extra_body={
+            "stop_token_ids": list(range(3, 3 + StopLimits().max_stop_token_ids))})
+        assert r.choices[0].finish_reason in ("length", "stop")
         # Cut short in the analysis: reasoning only.
         for stream in (False, True):
             kw = dict(base, max_tokens=16, extra_body={"structured_outputs": {"grammar": FINAL}})

@@ -103,6 +103,12 @@ OVER_LIMITS = [
     ("priority above", {"priority": 6}, "priority"),
     ("priority below", {"priority": -6}, "priority"),
     ("priority huge", {"priority": 10**40}, "priority"),
+    # Integers past 64 bits (or far past any model) would not travel to tensor-parallel ranks.
+    ("top_k huge", {"top_k": 10**20}, "top_k"),
+    ("min_tokens huge", {"min_tokens": 10**12}, "min_tokens"),
+    ("stop token id huge", {"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ("schema integer huge", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "integer", "maximum": 10**20}}}}, "response_format"),
 ]
 
 
@@ -116,6 +122,12 @@ def test_over_the_limits_is_a_400_naming_the_field(http, fields, param):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param, err
+
+
+def test_the_largest_seed_gives_every_choice_a_64_bit_seed(http):
+    r = _post(http, "/v1/completions", _body(max_tokens=4, n=2, seed=2**64 - 1))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
 
 
 def test_within_raised_limits_many_stop_strings_still_stop(http):

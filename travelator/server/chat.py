@@ -5,7 +5,7 @@ channels (harmony.py)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -128,7 +128,11 @@ def _prepare(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan
     if harmony is not None:
         params.skip_special_tokens = False  # the structural tokens must reach the reader
         if not req.ignore_eos:
-            params.stop_token_ids += [t for t in harmony.stop_token_ids if t not in params.stop_token_ids]
+            added = [t for t in harmony.stop_token_ids if t not in params.stop_token_ids]
+            params.stop_token_ids += added
+            # The server's own stop tokens do not count against the client's limit.
+            limits = params.stop_limits
+            params.stop_limits = replace(limits, max_stop_token_ids=limits.max_stop_token_ids + len(added))
     gen = serving.prepare([prompt], params, req, "messages", "chatcmpl")
     texts = None
     if req.logprobs:

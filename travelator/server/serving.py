@@ -162,8 +162,12 @@ class OpenAIServing:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than this server's limit of "
                                 f"{self.settings.max_choices_per_request} choices per request", param="n")
         gen_id = random_id(id_prefix)
-        specs = [RequestSpec(p.token_ids, params.for_choice(j), f"{gen_id}-{i * n + j}", req.priority,
-                             req.cache_salt) for i, p in enumerate(prompts) for j in range(n)]
+        try:  # a route may have changed the parameters since they were made (chat: its stop tokens)
+            choices = [params.for_choice(j) for j in range(n)]
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        specs = [RequestSpec(p.token_ids, choices[j], f"{gen_id}-{i * n + j}", req.priority, req.cache_salt)
+                 for i, p in enumerate(prompts) for j in range(n)]
         return Generation(self.client, gen_id, [self._make_request(spec, prompt_param) for spec in specs])
 
     def launch(self, gen: Generation) -> None:
