@@ -195,6 +195,18 @@ def test_prompt_ending_in_byte_tokens_leaves_the_output_whole() -> None:
         assert text == '{ "animal": "cat"}', (sizes, text)
 
 
+def test_a_prompt_of_byte_tokens_still_keeps_the_leading_space() -> None:
+    """No ordinary id within reach of the prompt's end (CJK text on a byte-fallback vocabulary
+    is all byte tokens): the output still does not start the text, so its first word keeps its
+    space."""
+    prompt = [1] + [t for t in _TOK.encode("\u4f60\u597d" * 12, add_special_tokens=False) if t in _TOK.byte_token_ids]
+    assert len(prompt) > 32
+    out = _TOK.encode("Sam wanted to go to the park.")[len(_TOK.encode("Sam wanted to")):]
+    assert _TOK.decode(out) == "go to the park."
+    text, _ = _stream(IncrementalDetokenizer(_TOK, prompt_token_ids=prompt), out, [1])
+    assert text == " go to the park."
+
+
 class _CountingTokenizer:
     """Proxy that records the length of every decode call."""
 

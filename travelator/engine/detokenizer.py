@@ -159,14 +159,22 @@ class IncrementalDetokenizer:
     def _prompt_context(self, prompt: list[int]) -> list[int]:
         """The prompt's last stable (content, non-byte) id, alone: byte ids after it would
         join the output's first byte ids in one run, and a run with an invalid byte decodes
-        whole to U+FFFD (a stray prompt byte then ate the output's "{"). None in reach: no
-        context."""
+        whole to U+FFFD (a stray prompt byte then ate the output's "{"). None in reach (a
+        prompt of byte tokens, say CJK text on a byte-fallback vocabulary): the vocabulary's
+        first ordinary id stands in, so that the output still does not start the text (whose
+        leading space a SentencePiece decoder drops). No prompt: no context."""
         low = max(0, len(prompt) - _MAX_PROMPT_CONTEXT)
         for i in range(len(prompt) - 1, low - 1, -1):
             tid = prompt[i]
-            if tid not in self._skipped and tid not in self._byte_ids:
+            if self._ordinary(tid):
                 return [tid]
-        return []
+        if not prompt:
+            return []
+        specials = self._tokenizer.special_token_ids
+        return [next(t for t in range(self._tokenizer.vocab_size) if self._ordinary(t) and t not in specials)]
+
+    def _ordinary(self, token_id: int) -> bool:
+        return token_id not in self._skipped and token_id not in self._byte_ids
 
     def _find_stop(self, stops: StopMatcher) -> bool:
         """Search the decode of all ids so far for the earliest stop string; cut the text there.
