@@ -23,9 +23,9 @@ def _devices_when_written(monkeypatch) -> list[set[str]]:
     for method in ("load_weights", "init_dummy_weights"):
         original = getattr(LlamaModel, method)
 
-        def recording(self, *args, _original=original):
+        def recording(self, *args, _original=original, **kwargs):
             seen.append({p.device.type for p in self.parameters()})
-            return _original(self, *args)
+            return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(LlamaModel, method, recording)
     return seen
