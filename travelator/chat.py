@@ -68,16 +68,23 @@ def _template_message(i: int, m: Any) -> dict[str, Any]:
         raise ChatMessageError(f"{where}: the {role} message {missing}; it needs a string or a "
                                "list of text parts", f"{where}.content")
     msg: dict[str, Any] = {"role": role, "content": _text(content, f"{where}.content")}
-    for key in ("name", "tool_call_id"):
-        value = m.get(key)
-        if value is not None:
-            if not isinstance(value, str):
-                raise ChatMessageError(f"{where}: {key!r} must be a string", f"{where}.{key}")
-            msg[key] = value
+    msg.update(_string_fields(m, ("name", "tool_call_id"), where))
     if m.get("tool_calls"):
         msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     msg.update(_reasoning(m, msg, where))
     return msg
+
+
+def _string_fields(m: Mapping[str, Any], keys: tuple[str, ...], where: str) -> dict[str, str]:
+    """The message's ``keys`` that it sets (not null), each of which must be a string."""
+    given = {}
+    for key in keys:
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise ChatMessageError(f"{where}: {key!r} must be a string", f"{where}.{key}")
+            given[key] = value
+    return given
 
 
 def _reasoning(m: Mapping[str, Any], msg: dict[str, Any], where: str) -> dict[str, str]:
@@ -86,13 +93,7 @@ def _reasoning(m: Mapping[str, Any], msg: dict[str, Any], where: str) -> dict[st
     as given, the other from it when only one is given. Not ``thinking`` beside the content
     of a turn that called tools: gpt-oss's template refuses both there, and renders that
     content as the reasoning."""
-    given = {}
-    for key in ("thinking", "reasoning_content"):
-        value = m.get(key)
-        if value is not None:
-            if not isinstance(value, str):
-                raise ChatMessageError(f"{where}: {key!r} must be a string", f"{where}.{key}")
-            given[key] = value
+    given = _string_fields(m, ("thinking", "reasoning_content"), where)
     if not given:
         return given
     text = given.get("thinking", given.get("reasoning_content"))
