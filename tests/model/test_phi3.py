@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from hf_models import build_checkpoint, load_reference, phi3_overrides, reference_greedy, reference_logprobs
+from hf_models import assert_greedy_matches, build_checkpoint, load_reference, phi3_overrides
 from travelator import LLM, SamplingParams
 
 ORIGINAL, MAXIMUM = 64, 256
@@ -41,13 +41,7 @@ def test_longrope_matches_transformers(checkpoint, kernels, regime):
     else:  # the default context (256 > 64): prompts already past the pretraining length
         llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels, max_num_batched_tokens=48)
         prompts, new = [prompt_of(n, n) for n in (65, 90, 150)], 16
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=1)
-    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        out = result.outputs[0]
-        assert out.token_ids == reference_greedy(ref, prompt, new)
-        want = reference_logprobs(ref, prompt + out.token_ids)
-        for i, lp in enumerate(out.logprobs):
-            assert lp.logprob == pytest.approx(float(want[len(prompt) - 1 + i][lp.token_id]), abs=2e-4)
+    assert_greedy_matches(llm, ref, prompts, new, 2e-4)
 
 
 def test_the_regime_is_the_engines_context(checkpoint):
