@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
+from tp_deadline import one_thread_per_worker_and_a_deadline
 from travelator import LLM
 from travelator.engine import tp_executor, tp_protocol
 from travelator.engine.control_codec import Codec, RefusedMessage
@@ -33,16 +33,7 @@ from travelator.structured import StructuredOutput
 
 @pytest.fixture(autouse=True)
 def _one_thread_per_worker_and_a_deadline(monkeypatch):
-    monkeypatch.setenv("TRAVELATOR_TP_THREADS", "1")
-
-    def hung(signum, frame):
-        raise TimeoutError("control-plane test hung")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    yield from one_thread_per_worker_and_a_deadline(monkeypatch, 120, "control-plane test")
 
 
 # ---- what the engine really sends -------------------------------------------------------------

@@ -22,22 +22,14 @@ import torch
 from hf_models import (build_checkpoint, gemma3_overrides, gpt_oss_overrides, load_reference, mixtral_overrides,
                        mxfp4_checkpoint, phi3_overrides, qwen3_moe_overrides, randomize, reference_greedy)
 from staggered import greedy, run_staggered
+from tp_deadline import one_thread_per_worker_and_a_deadline
 from travelator import LLM
 from travelator.engine.tp_executor import TensorParallelError
 
 
 @pytest.fixture(autouse=True)
 def _one_thread_per_worker_and_a_deadline(monkeypatch):
-    monkeypatch.setenv("TRAVELATOR_TP_THREADS", "1")
-
-    def hung(signum, frame):
-        raise TimeoutError("tensor-parallel test hung")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    yield from one_thread_per_worker_and_a_deadline(monkeypatch, 60, "tensor-parallel test")
 
 
 def make_requests(n: int, seed: int) -> list[tuple[int, list[int], int]]:
