@@ -1,4 +1,5 @@
-"""Offline API: ``LLM(model).generate(prompts, params)`` and ``LLM(model).chat(messages, params)``."""
+"""Offline API: ``LLM(model).generate(prompts, params)``, ``LLM(model).chat(messages, params)``,
+``LLM(model).embed(prompts)`` and ``LLM(model).score(query, documents)``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from travelator.engine.engine import LLMEngine
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine_args import engine_config
 from travelator.model.tokenizer import Tokenizer
+from travelator.pooling_params import PoolingParams
 from travelator.prompts import Prompt, PromptInput, parse_prompts
 from travelator.sampling_params import SamplingParams
+from travelator.scoring import ScoreFormat, relevance
 
 
 @dataclass(slots=True)
@@ -45,6 +48,8 @@ class GenerationResult:
     outputs: list[Completion]  # n of them
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With SamplingParams.pooling: the embedding, or the label tokens' logprobs.
+    pooled: list[float] | None = None
 
     @property
     def text(self) -> str:
@@ -120,6 +125,7 @@ class LLM:
                     results[i].outputs[j] = _completion(j, out, logprobs[out.request_id], params[i])
                     if j == 0:
                         results[i].prompt_logprobs = out.prompt_logprobs
+                        results[i].pooled = out.pooled
                     remaining.discard(out.request_id)
                     bar.update(1)
         bar.close()
@@ -177,6 +183,27 @@ class LLM:
         for result, text in zip(results, texts):
             result.prompt = text
         return results
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], *, pooling: str = "last",
+              normalize: bool = True, dimensions: int | None = None, use_tqdm: bool = True) -> list[list[float]]:
+        """One embedding per prompt (prompts as ``generate`` takes them): the final hidden states
+        (after the last norm) of the last prompt token, or their mean over every prompt token,
+        scaled to unit length unless ``normalize`` is False. Each prompt runs as a prompt-only
+        request in the same batches as any generation."""
+        params = SamplingParams(max_tokens=0, pooling=PoolingParams(
+            "embed", pooling, normalize, dimensions))
+        return [r.pooled for r in self.generate(prompts, params, use_tqdm=use_tqdm)]
+
+    def score(self, query: str, documents: Sequence[str], *, score_format: ScoreFormat | None = None,
+              use_tqdm: bool = True) -> list[float]:
+        """Each document's relevance to ``query`` in [0, 1]: the probability of the first label
+        ("yes") against the others after a prompt that asks whether the document answers the
+        query (``scoring.py``; ``score_format`` sets the prompt and the labels)."""
+        fmt = score_format or ScoreFormat()
+        params = SamplingParams(max_tokens=0, pooling=PoolingParams(
+            "score", label_token_ids=fmt.label_token_ids(self.tokenizer)))
+        prompts = [{"prompt_token_ids": fmt.prompt_token_ids(self.tokenizer, query, d)} for d in documents]
+        return [relevance(r.pooled) for r in self.generate(prompts, params, use_tqdm=use_tqdm)]
 
     def _queue(self, prompts: list[Prompt], params: list[SamplingParams]) -> dict[str, tuple[int, int]]:
         """Add choice j of prompt i for every (i, j); request id -> (i, j). All or none."""

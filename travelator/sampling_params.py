@@ -7,6 +7,7 @@ import operator
 from dataclasses import dataclass, field, fields, replace
 
 from travelator.errors import InvalidRequestError
+from travelator.pooling_params import PoolingParams
 from travelator.structured import StructuredOutput
 
 _GREEDY_EPS = 1e-5
@@ -67,6 +68,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Bounds on stop and stop_token_ids (the server passes its own, see ServerSettings).
     stop_limits: StopLimits = StopLimits()
+    # An embedding or a score of the prompt instead of generated text (max_tokens must be 0).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -134,6 +137,9 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
         self._validate_stop_bounds()
+        if self.pooling is not None and (self.max_tokens != 0 or self.n != 1 or self.structured is not None):
+            raise InvalidRequestError("a pooling request computes its prompt only: max_tokens=0, n=1, "
+                                      "no structured output", "pooling")
 
     def _validate_stop_bounds(self) -> None:
         limits = self.stop_limits
@@ -159,6 +165,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether the request reads something of every prompt token (its logprobs, or its
+        hidden state for a mean), so no prompt token may come from the prefix cache."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.needs_every_prompt_row)
 
     @property
     def uses_penalties(self) -> bool:

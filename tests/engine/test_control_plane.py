@@ -27,6 +27,7 @@ from travelator.engine.tp_protocol import CALLS, STOP, decode_call, decode_resul
 from travelator.engine.tp_worker import Worker
 from travelator.model.tp_auth import ControlAuth, ControlAuthError, session_id
 from travelator.model.tp_group import TPGroup
+from travelator.pooling_params import PoolingParams
 from travelator.sampling_params import SamplingParams
 from travelator.structured import StructuredOutput
 
@@ -106,7 +107,9 @@ def test_every_message_of_a_real_tp2_run_round_trips(monkeypatch):
 def test_constructed_messages_round_trip():
     """What a TP=2 run does not send (drafts: speculation runs on one rank) still travels."""
     out = SchedulerOutput(
-        new_requests=[NewRequestData("a", [1, 2, 3], [4], SamplingParams(temperature=0, seed=None), [0, 1], 2)],
+        new_requests=[NewRequestData("a", [1, 2, 3], [4], SamplingParams(temperature=0, seed=None), [0, 1], 2),
+                      NewRequestData("e", [1, 2], [], SamplingParams(max_tokens=0, pooling=PoolingParams(
+                          "score", label_token_ids=(7, 8))), [2], 0)],
         cached_requests=[CachedRequestData("b", [], 7)], num_scheduled_tokens={"a": 2, "b": 3},
         freed_request_ids=["c"], num_preempted=1, num_decodes=1, num_prefill_tokens=2,
         prefill_request_ids=["a"], drafts={"b": ScheduledDrafts(2, [5, 6]), "d": ScheduledDrafts(3)})

@@ -204,7 +204,7 @@ class FigureOnlyClient:
         source = open_model("dummy:tiny")
         vocab = source.arch.vocab_size
         self.served_model = ServedModel("figures", source.tokenizer, vocab, 64,
-                                        GrammarCompiler(source.tokenizer, vocab))
+                                        GrammarCompiler(source.tokenizer, vocab), source.arch.hidden_size)
         self.step_listeners: list = []
         self.death_listeners: list = []
         self.metric_collectors = ()

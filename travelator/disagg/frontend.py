@@ -384,4 +384,6 @@ def _validation(config: EngineConfig, max_model_len: int) -> tuple[ServedModel, 
     grammars = GrammarCompiler(source.tokenizer, vocab_size)
     eos = frozenset(source.tokenizer.eos_token_ids) | frozenset(source.arch.eos_token_ids)
     requests = RequestFactory(source.tokenizer, vocab_size, max_model_len, eos, grammars)
-    return ServedModel(source.name, source.tokenizer, vocab_size, max_model_len, grammars), requests
+    served = ServedModel(source.name, source.tokenizer, vocab_size, max_model_len, grammars,
+                         source.arch.hidden_size, source.arch.matryoshka_dimensions)
+    return served, requests

@@ -79,8 +79,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._accepting = True
-        self.served_model = ServedModel(engine.model_name, engine.tokenizer, engine.arch.vocab_size,
-                                        engine.max_model_len, engine.grammars)
+        arch = engine.arch
+        self.served_model = ServedModel(engine.model_name, engine.tokenizer, arch.vocab_size,
+                                        engine.max_model_len, engine.grammars, arch.hidden_size,
+                                        arch.matryoshka_dimensions)
         # Called on the step thread after every step (metrics); must be quick and thread-safe.
         self.step_listeners: list[StepListener] = []
         # Called on the step thread when the loop runs out of work (after its last step, or

@@ -131,10 +131,10 @@ class KVCacheManager:
         """Leading blocks of a request that holds none yet, already in the cache.
 
         At least one token is always left to compute (docs/design.md invariant 6), so the last
-        token's logits can be sampled. A request that wants its prompt's logprobs gets no hit:
-        a cached block has keys and values but no logits.
+        token's logits can be sampled. A request that reads every prompt row (its logprobs, a
+        mean embedding) gets no hit: a cached block has keys and values, not logits or hidden states.
         """
-        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or req.sampling_params.needs_every_prompt_row:
             return []
         hits: list[int] = []
         for key in self.block_keys(req):

@@ -57,6 +57,8 @@ class ServedModel:
     vocab_size: int
     max_model_len: int
     grammars: GrammarCompiler  # structured outputs compile here before a request is made
+    hidden_size: int  # an embedding's length
+    matryoshka_dimensions: tuple[int, ...] = ()  # the shorter lengths it may be cut to
 
 
 @dataclass(frozen=True, slots=True)

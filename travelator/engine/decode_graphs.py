@@ -110,9 +110,10 @@ class DecodeGraphs:
 
     def takes(self, inputs: StepInputs) -> bool:
         """Whether the step is one the graphs run: decodes only, each sampled, no prompt
-        logprobs, within the largest bucket."""
+        logprobs or pooled rows (the graphs keep no hidden states), within the largest bucket."""
         meta = inputs.meta
         return (meta.max_query_len == 1 and inputs.logits_indices is None and not inputs.prompt_rows
+                and not inputs.pool_spans
                 and len(meta.query_lens) <= self.buckets[-1] and meta.block_tables.shape[1] <= self.max_blocks)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:

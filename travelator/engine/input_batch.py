@@ -9,7 +9,7 @@ logits are sampled or give prompt logprobs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +47,9 @@ class StepInputs:
     prompt_rows: list[int]
     prompt_targets: list[int]
     prompt_spans: list[tuple[str, int, int, int]]
+    # Pooling requests' rows: (id, first row, count, whether its prompt ends in them); the
+    # last prompt row only, unless every row is pooled (a mean).
+    pool_spans: list[tuple[str, int, int, bool]] = field(default_factory=list)
 
     def sampled_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden if self.logits_indices is None else hidden[self.logits_indices]
@@ -68,10 +71,11 @@ class _FlatBatch:
     query_lens: list[int]
     context_lens: list[int]
     tables: list[list[int]]
+    pool_spans: list[tuple[str, int, int, bool]]
 
     @classmethod
     def empty(cls) -> _FlatBatch:
-        return cls([], [], [], [], [], [], [], [], [], [], [])
+        return cls([], [], [], [], [], [], [], [], [], [], [], [])
 
 
 class InputBatch:
@@ -133,6 +137,7 @@ class InputBatch:
             prompt_rows=flat.prompt_rows,
             prompt_targets=flat.prompt_targets,
             prompt_spans=flat.prompt_spans,
+            pool_spans=flat.pool_spans,
         )
 
     def _add(self, flat: _FlatBatch, s: RunnerRequestState, n: int, offset: int, drafts: list[int]) -> None:
@@ -162,3 +167,10 @@ class InputBatch:
             flat.prompt_rows.extend(range(offset, offset + last - start))
             flat.prompt_targets.extend(s.token_ids[start + 1:last + 1])
             flat.prompt_spans.append((rid, start + 1, last - start, want))
+        pooling = s.sampling_params.pooling
+        if pooling is not None:
+            final = end == len(s.token_ids)
+            if pooling.needs_every_prompt_row:
+                flat.pool_spans.append((rid, offset, n, final))
+            elif final:
+                flat.pool_spans.append((rid, offset + n - 1, 1, True))

@@ -5,7 +5,7 @@ it kept.
 A step runs in three stages: input preparation (``input_batch.py``: the persistent batch
 state, updated from the step's small changes, and the flat inputs), the forward pass, and
 sampling (``sampling_stage.py``: logits, grammar masks, the sample, the acceptance of drafts,
-prompt logprobs).
+prompt logprobs); prompt-only requests' embeddings and scores come from ``pooling_stage.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from travelator.engine.draft_model import DraftJob, DraftModel
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.grammar_masks import GrammarMasks
 from travelator.engine.input_batch import InputBatch, StepInputs
+from travelator.engine.pooling_stage import PoolingStage
 from travelator.engine.sampling_stage import SamplingStage
 from travelator.engine.scheduler_output import PromptLogprobs, RunnerOutput, SampledToken, SchedulerOutput
 from travelator.engine.step_staging import StepStaging
@@ -84,6 +85,7 @@ class ModelRunner:
         self._record_graphs = (not config.enforce_eager and self.ops.attention_backend == "triton"
                                and device.type == "cuda" and tp is None)
         self.sampler = SamplingStage(self.model, self.ops, self.grammar, self.eos_token_ids)
+        self.pooler = PoolingStage()
         # Seconds spent per phase, summed over the run (on CUDA, kernels are asynchronous:
         # forward time then shows up where the host first waits, in "sample").
         self.phase_times: dict[str, float] = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}
@@ -167,24 +169,27 @@ class ModelRunner:
         drafts_of = self._drafts_of(out)
         inputs = self.batch.prepare(out, drafts_of)
         t1 = time.perf_counter()
-        logits, prompt_logprobs = self._forward(inputs)
+        logits, prompt_logprobs, pooled = self._forward(inputs)
         t2 = time.perf_counter()
         self.phase_times["prepare"] += t1 - t0
         self.phase_times["forward"] += t2 - t1
         if logits is None:
-            return RunnerOutput(prompt_logprobs=prompt_logprobs)
+            return RunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
+        pooled.update(self.pooler.score(logits, inputs, self.batch.states))
         sampled, failed = self.sampler.sample(logits, inputs, self.batch.states, drafts_of)
         self._keep(out, sampled, drafts_of)
         self.phase_times["sample"] += time.perf_counter() - t2
-        return RunnerOutput(sampled, prompt_logprobs, failed=failed)
+        return RunnerOutput(sampled, prompt_logprobs, failed=failed, pooled=pooled)
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs]]:
-        """The sampled rows' logits and the prompt logprobs: a recorded graph's replay for a
-        decode-only step it takes, else the eager forward."""
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, dict[str, PromptLogprobs],
+                                                    dict[str, list[float]]]:
+        """The sampled rows' logits, the prompt logprobs and the embeddings finished: a
+        recorded graph's replay for a decode-only step it takes, else the eager forward."""
         if self.graphs is not None and self.graphs.takes(inputs):
-            return self.graphs.run(inputs), {}
+            return self.graphs.run(inputs), {}, {}
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return self.sampler.logits(hidden, inputs), self.sampler.prompt_logprobs(hidden, inputs)
+        embedded = self.pooler.embed(hidden, inputs, self.batch.states)
+        return self.sampler.logits(hidden, inputs), self.sampler.prompt_logprobs(hidden, inputs), embedded
 
     def follow(self, out: SchedulerOutput, sampled: list[tuple[str, int]]) -> None:
         """Run a step as a tensor-parallel worker: no sampling (the driver samples from the
@@ -205,6 +210,7 @@ class ModelRunner:
         # A readmitted request's grammar matcher is rebuilt from its outputs, and the draft
         # model computes it again.
         for rid in self.batch.apply_changes(out):
+            self.pooler.forget(rid)
             if self.grammar is not None:
                 self.grammar.forget(rid)
             if self.draft is not None:

@@ -105,6 +105,7 @@ class OutputProcessor:
             num_preemptions=req.num_preemptions,
             times=req.times,
             prompt_logprobs=_prompt_logprobs(req),
+            pooled=req.pooled if req.status.finished else None,
         )
 
 

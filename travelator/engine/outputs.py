@@ -34,6 +34,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    # With SamplingParams.pooling: the embedding, or each label token's logprob (finished only).
+    pooled: list[float] | None = None
     # A request added with hand_off that finished its first token: its KV, for another
     # engine's add_handoff to continue it.
     handoff: KVHandoff | None = None

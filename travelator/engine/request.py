@@ -126,6 +126,8 @@ class Request:
     # compared with the one sampled (a free measure of acceptance).
     speculation_probe: int | None = None
     speculation_text: str = ""  # its tokens as characters, for the n-gram lookup
+    # SamplingParams.pooling: the embedding or label logprobs, once the prompt is computed.
+    pooled: list[float] | None = None
     # Prefill/decode disaggregation: stop after the first token and hand the KV over to
     # another engine instead of freeing it (see kv_handoff.py).
     hand_off: bool = False

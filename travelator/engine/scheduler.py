@@ -307,6 +307,8 @@ class SchedulerBase:
             req.num_computed_tokens += n - (drafts - max(len(toks) - 1, 0))
             if (plp := result.prompt_logprobs.get(rid)) is not None:
                 req.add_prompt_logprobs(plp.first, plp.logprobs, plp.top_logprobs, plp.ranks)
+            if (pooled := result.pooled.get(rid)) is not None:
+                req.pooled = pooled
             if not toks:
                 self._computed(req)
                 continue  # a prompt chunk that does not reach the end of the prompt

@@ -104,6 +104,8 @@ class RunnerOutput:
     # Request id -> why it cannot go on (its sampled token broke its grammar): the engine
     # ends these requests with an error; the others of the step go on.
     failed: dict[str, str] = field(default_factory=dict)
+    # Request id -> its pooled values (an embedding, or label logprobs) once its prompt is done.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
     def tokens_of(self, request_id: str) -> list[SampledToken]:
         """Every token ``request_id`` got this step, in order (none: a prompt chunk)."""

@@ -72,6 +72,7 @@ class StepStaging:
             logits_indices=None if every_row else d[logits],
             sampled_ids=flat.sampled_ids, prompt_rows=flat.prompt_rows,
             prompt_targets=flat.prompt_targets, prompt_spans=flat.prompt_spans,
+            pool_spans=flat.pool_spans,
         )
 
 

@@ -19,6 +19,7 @@ from travelator.config import ModelConfig
 from travelator.engine.control_codec import Codec, RefusedMessage, unpack
 from travelator.engine.model_runner import RunnerSettings
 from travelator.engine.scheduler_output import CachedRequestData, NewRequestData, ScheduledDrafts, SchedulerOutput
+from travelator.pooling_params import PoolingParams
 from travelator.sampling_params import SamplingParams, StopLimits
 from travelator.structured import StructuredOutput
 
@@ -59,7 +60,8 @@ CALLS: dict[str, Call] = {
 }
 
 _CODEC = Codec([TPWorkerSpec, ModelConfig, RunnerSettings, SchedulerOutput, NewRequestData,
-                CachedRequestData, ScheduledDrafts, SamplingParams, StopLimits, StructuredOutput])
+                CachedRequestData, ScheduledDrafts, SamplingParams, StopLimits, StructuredOutput,
+                PoolingParams])
 _ARGS = {method: tuple[call.args] if call.args else tuple[()] for method, call in CALLS.items()}
 
 

@@ -85,6 +85,9 @@ class ModelArch:
     attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Embeddings: the leading dimensions a Matryoshka-trained model's vectors may be cut to
+    # (config.json's matryoshka_dimensions); () for a model not trained so: full length only.
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -173,6 +176,7 @@ class ModelArch:
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            matryoshka_dimensions=tuple(cfg.get("matryoshka_dimensions") or ()),
             **_experts(family, cfg),
         )
 
