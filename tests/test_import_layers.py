@@ -21,12 +21,12 @@ ROOT = "travelator"  # the unit of the package's own __init__.py
 # floor may import each other.
 FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
     ("values", frozenset({"config", "default_model", "engine_args", "errors", "prompts",
-                          "sampling_params", "structured"})),
+                          "pooling_params", "sampling_params", "structured"})),
     ("kernels", frozenset({"kernels"})),
     ("model", frozenset({"model"})),
     ("engine", frozenset({"engine"})),
     ("disagg", frozenset({"disagg"})),
-    ("fronts", frozenset({"chat", "dashboard", "llm", "server"})),
+    ("fronts", frozenset({"chat", "dashboard", "llm", "scoring", "server"})),
     ("bench", frozenset({"bench"})),
     ("entry", frozenset({"cli", ROOT})),
 )

@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from travelator.server.auth import is_loopback
     from travelator.server.run import run_server
     from travelator.sampling_params import StopLimits
+    from travelator.scoring import ScoreFormat
     from travelator.server.settings import ServerSettings
 
     model = resolve_model(args)
@@ -55,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         grammar_compile_timeout_s=args.grammar_compile_timeout, max_constraint_bytes=args.max_constraint_bytes,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, pooling=args.pooling,
+        score_format=ScoreFormat(args.score_template, tuple(args.score_labels.split(","))),
         dashboard=not args.no_dashboard, dashboard_show_prompts=args.dashboard_show_prompts,
     )
     if args.enable_debug_endpoints:
@@ -159,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
                      help="how tool calls are read out of the text with tool_choice auto: Hermes "
                           "<tool_call> tags or Llama 3 JSON (default: auto, from the chat template)")
+    srv.add_argument("--pooling", choices=["last", "mean"], default="last",
+                     help="/v1/embeddings: the last prompt token's final hidden state, or the mean "
+                          "over every prompt token (normalised to unit length; default last)")
+    srv.add_argument("--score-template", default=None, metavar="TEXT",
+                     help="/v1/score and /v1/rerank: the prompt, with {query} and {document} in it "
+                          "(default: the chat template asking whether the document meets the query)")
+    srv.add_argument("--score-labels", default="yes,no", metavar="YES,NO",
+                     help="/v1/score and /v1/rerank: the label tokens after the prompt; the score is "
+                          "the first one's probability among them (default yes,no)")
     srv.add_argument("--no-dashboard", action="store_true",
                      help="do not serve the live view (GET /dashboard and its stream /dashboard/stream)")
     srv.add_argument("--dashboard-show-prompts", action="store_true",

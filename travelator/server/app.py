@@ -47,6 +47,7 @@ from travelator.server.chat import create_chat_completion
 from travelator.server.completions import create_completion
 from travelator.server.errors import APIError, install_error_handlers
 from travelator.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from travelator.server.pooling import pooling_routes
 from travelator.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -161,6 +162,7 @@ def build_app(client: EngineClient, settings: ServerSettings | None = None) -> F
     _install_openapi(app)
     require_api_key = _api_key_check(settings)
     app.include_router(_v1_routes(serving, require_api_key))
+    app.include_router(pooling_routes(serving, require_api_key))
     app.include_router(_tokenizer_routes(serving, require_api_key))
     _add_operator_routes(app, serving, require_api_key)
     if settings.dashboard:

@@ -1,7 +1,7 @@
 """What the OpenAI endpoints share: the model name, admission, sampling parameters, prompt
 checks, starting a generation, usage, collecting a non-streamed answer, and shutdown.
 
-The endpoints themselves are in completions.py, chat.py and responses.py. Each prepares its
+The endpoints themselves are in completions.py, chat.py, responses.py and pooling.py. Each prepares its
 request on a preprocessing worker (``preprocess.py``): the prompt rendered and tokenised, the
 engine requests made by the ``EngineClient`` (``engine/client.py``), whose ``make_request``
 validates without changing engine state. Back on the event loop, ``launch`` admits them and
@@ -23,6 +23,7 @@ from travelator.engine.client import EngineClient, EngineDeadError, RequestSpec
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request as EngineRequest
 from travelator.errors import ContextLengthError, InvalidRequestError
+from travelator.pooling_params import PoolingParams
 from travelator.sampling_params import SamplingParams
 from travelator.server.constraints import ConstraintCompiler
 from travelator.server.errors import APIError
@@ -153,10 +154,7 @@ class OpenAIServing:
                 prompt_param: str, id_prefix: str) -> Generation:
         """Validate every choice of every prompt (choice j of prompt i is sub-request
         i * n + j): a generation that ``launch`` starts. Any thread."""
-        low, high = self.settings.priority_range
-        if not low <= req.priority <= high:
-            # Not echoed: the JSON integer may have thousands of digits.
-            raise APIError(400, f"priority must be an integer in [{low}, {high}]", param="priority")
+        self._check_priority(req.priority)
         n = params.n
         if len(prompts) * n > self.settings.max_choices_per_request:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than this server's limit of "
@@ -169,6 +167,22 @@ class OpenAIServing:
         specs = [RequestSpec(p.token_ids, choices[j], f"{gen_id}-{i * n + j}", req.priority, req.cache_salt)
                  for i, p in enumerate(prompts) for j in range(n)]
         return Generation(self.client, gen_id, [self._make_request(spec, prompt_param) for spec in specs])
+
+    def prepare_prompt_only(self, prompts: list[EnginePrompt], pooling: PoolingParams, priority: int,
+                            prompt_param: str, id_prefix: str) -> Generation:
+        """Validate a prompt-only request per prompt (an embedding or a score each, request i
+        for prompt i): a generation that ``launch`` starts. Any thread."""
+        self._check_priority(priority)
+        params = SamplingParams(max_tokens=0, pooling=pooling)
+        gen_id = random_id(id_prefix)
+        specs = [RequestSpec(p.token_ids, params, f"{gen_id}-{i}", priority) for i, p in enumerate(prompts)]
+        return Generation(self.client, gen_id, [self._make_request(spec, prompt_param) for spec in specs])
+
+    def _check_priority(self, priority: int) -> None:
+        low, high = self.settings.priority_range
+        if not low <= priority <= high:
+            # Not echoed: the JSON integer may have thousands of digits.
+            raise APIError(400, f"priority must be an integer in [{low}, {high}]", param="priority")
 
     def launch(self, gen: Generation) -> None:
         """Admit ``gen`` and queue its requests (event loop)."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from travelator.pooling_params import POOLING_METHODS
 from travelator.sampling_params import StopLimits
+from travelator.scoring import ScoreFormat
 
 
 def _env_flag(name: str) -> bool:
@@ -69,6 +71,12 @@ class ServerSettings:
     # there is one). Prompts' text is shown there only when allowed.
     dashboard: bool = True
     dashboard_show_prompts: bool = False
+    # /v1/embeddings: how a prompt's final hidden states become one vector ("last": the last
+    # token's, "mean": the mean of every token's), and the most inputs in one request (OpenAI's).
+    pooling: str = "last"
+    max_embedding_inputs: int = 2048
+    # /v1/score and /v1/rerank: the yes/no prompt and its labels (scoring.py).
+    score_format: ScoreFormat = field(default_factory=ScoreFormat)
 
     def validate(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -92,5 +100,9 @@ class ServerSettings:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
             raise ValueError(f"unknown tool_call_parser {self.tool_call_parser!r}; use auto, hermes or llama3_json")
+        if self.pooling not in POOLING_METHODS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; use {' or '.join(POOLING_METHODS)}")
+        if self.max_embedding_inputs < 1:
+            raise ValueError(f"max_embedding_inputs must be at least 1, got {self.max_embedding_inputs}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
