@@ -301,19 +301,29 @@ def test_fixed_order_all_reduce_sums_in_rank_order():
             assert torch.equal(results[rank][i], want), (rank, lengths[i])
 
 
-def test_prompt_logprobs_under_tensor_parallelism():
+def test_prompt_logprobs_embeddings_and_scores_under_tensor_parallelism():
     """Every rank takes part in the prompt rows' LM-head gathers; the driver's numbers match
-    one rank's."""
+    one rank's, and so do its embeddings (pooled over chunks) and scores."""
     from travelator import SamplingParams
+    from travelator.scoring import ScoreFormat
 
     prompt = [1] + [random.Random(4).randrange(3, 1000) for _ in range(30)]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
-    one = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8).generate([prompt], params, use_tqdm=False)[0]
+    fmt = ScoreFormat("q: {query} d: {document} ->", ("a", "b"))
+    one_llm = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8)
+    one = one_llm.generate([prompt], params, use_tqdm=False)[0]
+    pooled_one = [one_llm.embed([prompt], pooling=how, use_tqdm=False)[0] for how in ("mean", "last")]
+    scores_one = one_llm.score("which", ["one text", "another"], score_format=fmt, use_tqdm=False)
     llm = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8, tensor_parallel_size=2)
     try:
         two = llm.generate([prompt], params, use_tqdm=False)[0]
+        pooled_two = [llm.embed([prompt], pooling=how, use_tqdm=False)[0] for how in ("mean", "last")]
+        scores_two = llm.score("which", ["one text", "another"], score_format=fmt, use_tqdm=False)
     finally:
         llm.shutdown()
+    for a, b in zip(pooled_one, pooled_two):
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), atol=1e-5, rtol=0)
+    assert scores_two == pytest.approx(scores_one, abs=1e-5)
     assert two.outputs[0].token_ids == one.outputs[0].token_ids
     for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
