@@ -249,6 +249,18 @@ def metric(url: str, prefix: str) -> float:
 
 
 @needs_stories
+def test_embeddings_through_the_prefill_workers(served):
+    """Prompt-only requests end on a prefill worker: their vectors cross to the front end, and
+    no block is left held anywhere."""
+    llm = LLM(str(STORIES), **ENGINE, max_model_len=320)
+    texts = PROMPTS[:4]
+    got = httpx.post(f"{served.url}/v1/embeddings", timeout=120, json={"input": texts}).json()
+    for d, want in zip(got["data"], llm.embed(texts, use_tqdm=False)):
+        assert d["embedding"] == pytest.approx(want, abs=1e-5)
+    assert_clean(wait_idle(served.url))
+
+
+@needs_stories
 def test_streamed_text_and_one_token_requests(served):
     expected = reference(["The little dog"], 30)[0]
     chunks = []
