@@ -7,10 +7,11 @@ One engine (travelator's defaults unless ``--option`` says otherwise), three pha
   once, embedded (last-token pooling): inputs per second until the last is done.
 - **decode alone**: ``--decodes`` requests decoding (16-token prompts, greedy, no EOS); once
   all have their first token, the gaps between each request's tokens (inter-token latency,
-  ITL) over the next ``--window-steps`` steps: p50 and p99.
+  ITL) over the next ``--window-steps`` steps, and each request's mean gap in that window (its
+  TPOT): p50 and p99 of each, over every repeat.
 - **both**: the same decodes, and once all have their first token the embeddings submitted
-  at once: inputs per second until the last embedding is done, and the decodes' gaps in
-  that time: p50 and p99 (what a decode waits while prompts share its steps).
+  at once: inputs per second until the last embedding is done, and the decodes' ITL and TPOT
+  in that time (what a decode waits while prompts share its steps).
 
     python benchmarks/embeddings.py --model dummy:llama-50m
 """
@@ -66,8 +67,8 @@ class Phases:
             self._step({}, pending)
         return len(self.inputs) / (time.perf_counter() - start)
 
-    def decodes(self, with_embeddings: bool) -> tuple[float | None, list[float]]:
-        """(embeddings per second or None, the decodes' gaps in the measured window)."""
+    def decodes(self, with_embeddings: bool) -> tuple[float | None, dict[str, list[float]]]:
+        """(embeddings per second or None, each decode's gaps in the measured window)."""
         times = self._add_decodes()
         decoding = set(times)
         while any(not t for t in times.values()):
@@ -83,7 +84,7 @@ class Phases:
         else:
             for _ in range(self.args.window_steps):
                 self._step(times, decoding)
-        gaps = [b - a for rid, t in times.items() for a, b in zip(t[marks[rid] - 1:], t[marks[rid]:])]
+        gaps = {rid: [b - a for a, b in zip(t[marks[rid] - 1:], t[marks[rid]:])] for rid, t in times.items()}
         self.engine.abort_request(list(decoding))
         while self.engine.scheduler.requests:
             self.engine.step()
@@ -108,22 +109,22 @@ def main() -> None:
           f"{args.inputs} inputs x {args.input_tokens} tokens, {args.decodes} decodes; options {options or 'none'}")
     phases = Phases(llm, args)
     phases.embed_alone()  # warm-up: kernels, allocator
-    alone, both, gaps_alone, gaps_both = [], [], [], []
+    alone, both, gaps = [], [], {False: [], True: []}
     for r in range(args.repeats):
         alone.append(phases.embed_alone())
-        _, gaps = phases.decodes(with_embeddings=False)
-        gaps_alone += gaps
-        rate, gaps = phases.decodes(with_embeddings=True)
-        both.append(rate)
-        gaps_both += gaps
+        for with_embeddings in (False, True):
+            rate, per_request = phases.decodes(with_embeddings)
+            gaps[with_embeddings] += per_request.values()
+            if rate is not None:
+                both.append(rate)
         print(f"repeat {r}: embed alone {alone[-1]:.1f} inputs/s, beside decodes {both[-1]:.1f} inputs/s")
-    ms = 1000.0
     print(f"embeddings alone: {statistics.median(alone):.1f} inputs/s (median of {args.repeats})")
     print(f"embeddings beside {args.decodes} decodes: {statistics.median(both):.1f} inputs/s")
-    print(f"decodes' ITL alone: p50 {_quantile(gaps_alone, 0.5) * ms:.1f} ms, p99 {_quantile(gaps_alone, 0.99) * ms:.1f} ms")
-    print(f"decodes' ITL while embeddings run: p50 {_quantile(gaps_both, 0.5) * ms:.1f} ms, "
-          f"p99 {_quantile(gaps_both, 0.99) * ms:.1f} ms")
-
+    for with_embeddings, label in ((False, "alone"), (True, "while embeddings run")):
+        itl = [g for request in gaps[with_embeddings] for g in request]
+        tpot = [statistics.fmean(request) for request in gaps[with_embeddings] if request]
+        print(f"decodes {label}: ITL p50 {_quantile(itl, 0.5) * 1e3:.1f} ms, p99 {_quantile(itl, 0.99) * 1e3:.1f} ms; "
+              f"TPOT p50 {_quantile(tpot, 0.5) * 1e3:.1f} ms, p99 {_quantile(tpot, 0.99) * 1e3:.1f} ms")
 
 if __name__ == "__main__":
     main()
