@@ -56,6 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         grammar_compile_timeout_s=args.grammar_compile_timeout, max_constraint_bytes=args.max_constraint_bytes,
         tool_call_parser=args.tool_call_parser,
+        response_store_max_count=args.response_store_max_count,
+        response_store_max_bytes=args.response_store_max_bytes, response_store_ttl_s=args.response_store_ttl,
         dashboard=not args.no_dashboard, dashboard_show_prompts=args.dashboard_show_prompts,
     )
     if args.enable_debug_endpoints:
@@ -159,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
                      help="how tool calls are read out of the text with tool_choice auto: Hermes "
                           "<tool_call> tags or Llama 3 JSON (default: auto, from the chat template)")
+    srv.add_argument("--response-store-max-count", type=int, default=1000,
+                     help="most responses kept for previous_response_id and GET /v1/responses/{id}, "
+                          "least recently used out first (default 1000; 0: none)")
+    srv.add_argument("--response-store-max-bytes", type=int, default=64 << 20,
+                     help="most bytes (as JSON) of stored responses in all (default 67108864)")
+    srv.add_argument("--response-store-ttl", type=float, default=3600.0,
+                     help="seconds a stored response is kept (default 3600)")
     srv.add_argument("--no-dashboard", action="store_true",
                      help="do not serve the live view (GET /dashboard and its stream /dashboard/stream)")
     srv.add_argument("--dashboard-show-prompts", action="store_true",

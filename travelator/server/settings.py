@@ -69,6 +69,12 @@ class ServerSettings:
     # there is one). Prompts' text is shown there only when allowed.
     dashboard: bool = True
     dashboard_show_prompts: bool = False
+    # Responses kept for previous_response_id and GET/DELETE /v1/responses/{id} (store: true),
+    # in this process's memory: at most this many, of at most this many bytes (as JSON) in
+    # all, least recently used out first; each for at most this many seconds.
+    response_store_max_count: int = 1000
+    response_store_max_bytes: int = 64 << 20
+    response_store_ttl_s: float = 3600.0
 
     def validate(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -92,5 +98,9 @@ class ServerSettings:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):
             raise ValueError(f"unknown tool_call_parser {self.tool_call_parser!r}; use auto, hermes or llama3_json")
+        if self.response_store_max_count < 0 or self.response_store_max_bytes < 0:
+            raise ValueError("the response store's bounds must be non-negative (0: store nothing)")
+        if not self.response_store_ttl_s > 0:
+            raise ValueError(f"response_store_ttl_s must be positive, got {self.response_store_ttl_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")
