@@ -12,7 +12,7 @@ default) the response is kept (response_store.py) for ``GET``, ``DELETE`` and fo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -23,7 +23,7 @@ from travelator.server.chat import render_messages
 from travelator.server.errors import APIError
 from travelator.server.generation import Generation
 from travelator.server.protocol import now
-from travelator.server.response_store import ResponseStore
+from travelator.server.response_store import ResponseStore, StoredResponse
 from travelator.server.responses_input import chat_messages, constraint, input_items, tool_plan
 from travelator.server.responses_output import Event, OutputItems
 from travelator.server.responses_protocol import (
@@ -113,7 +113,7 @@ def _prepare(serving: OpenAIServing, req: ResponsesRequest, history: list[InputI
     return ResponseRun(gen, req, model, prompt, plan, conversation)
 
 
-def stored_or_404(store: ResponseStore, response_id: str, param: str | None = None):
+def stored_or_404(store: ResponseStore, response_id: str, param: str | None = None) -> StoredResponse:
     entry = store.get(response_id)
     if entry is None:
         raise APIError(404, f"no stored response has the id {response_id!r} (never stored, deleted, "
@@ -125,7 +125,7 @@ def stored_or_404(store: ResponseStore, response_id: str, param: str | None = No
 async def create_response(serving: OpenAIServing, store: ResponseStore, req: ResponsesRequest,
                           request: Request) -> Response:
     serving.resolve_model(req.model)  # a 404 before any compile
-    history = []
+    history: list[InputItem] = []
     if req.previous_response_id is not None:
         history = stored_or_404(store, req.previous_response_id, "previous_response_id").conversation
     plan = tool_plan(req, serving.tool_call_format)
@@ -165,7 +165,7 @@ def _event(kind: str, seq: int, fields: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
 
 
-async def _stream(run: ResponseRun, keep) -> AsyncIterator[str]:
+async def _stream(run: ResponseRun, keep: Callable[[ResponseObject], None]) -> AsyncIterator[str]:
     """created, in_progress, the items' added / delta / done events as the text comes, then
     completed (or incomplete, at max_output_tokens)."""
     seq = iter(range(1 << 62))
