@@ -220,10 +220,25 @@ def test_previous_response_id_chains_get_and_delete(qwen, hf_tokenizer):
         tool_choice="none")
     hf_call = {"id": call.call_id, "type": "function",
                "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}
+    hf_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
     assert follow.usage.input_tokens == len(_hf_ids(hf_tokenizer, [
         {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [hf_call]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "rain"}],
-        tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]))
+        tools=hf_tools))
+    # Text and a call in one answer are one assistant turn when sent back.
+    hermes = r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "days": 3\}\}</tool_call>'
+    mixed = client.responses.create(model="qwen", input="Weather?", tools=TOOLS, max_output_tokens=200,
+                                    extra_body={"structured_outputs": {"regex": hermes}})
+    message, call = mixed.output
+    follow = client.responses.create(model="qwen", input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "snow"}],
+        previous_response_id=mixed.id, tools=TOOLS, tool_choice="none", max_output_tokens=4)
+    hf_call = {"id": call.call_id, "type": "function",
+               "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}}
+    assert follow.usage.input_tokens == len(_hf_ids(hf_tokenizer, [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [hf_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "snow"}], tools=hf_tools))
     # GET gives what create gave; DELETE removes it; then it is a 404, as a follow-up's base too.
     got = client.responses.retrieve(second.id)
     assert got.model_dump() == second.model_dump()
