@@ -58,6 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grammar_compile_timeout_s=args.grammar_compile_timeout, max_constraint_bytes=args.max_constraint_bytes,
         tool_call_parser=args.tool_call_parser, pooling=args.pooling,
         score_format=ScoreFormat(args.score_template, tuple(args.score_labels.split(","))),
+        response_store_max_count=args.response_store_max_count,
+        response_store_max_bytes=args.response_store_max_bytes, response_store_ttl_s=args.response_store_ttl,
         dashboard=not args.no_dashboard, dashboard_show_prompts=args.dashboard_show_prompts,
     )
     if args.enable_debug_endpoints:
@@ -170,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--score-labels", default="yes,no", metavar="YES,NO",
                      help="/v1/score and /v1/rerank: the label tokens after the prompt; the score is "
                           "the first one's probability among them (default yes,no)")
+    srv.add_argument("--response-store-max-count", type=int, default=1000,
+                     help="most responses kept for previous_response_id and GET /v1/responses/{id}, "
+                          "least recently used out first (default 1000; 0: none)")
+    srv.add_argument("--response-store-max-bytes", type=int, default=64 << 20,
+                     help="most bytes (as JSON) of stored responses in all (default 67108864)")
+    srv.add_argument("--response-store-ttl", type=float, default=3600.0,
+                     help="seconds a stored response is kept (default 3600)")
     srv.add_argument("--no-dashboard", action="store_true",
                      help="do not serve the live view (GET /dashboard and its stream /dashboard/stream)")
     srv.add_argument("--dashboard-show-prompts", action="store_true",

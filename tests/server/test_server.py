@@ -630,8 +630,9 @@ def test_responses_api_with_the_openai_sdk(server, client):
     assert len(deltas) == 12 and "".join(deltas) == resp.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output_text == resp.output_text
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.NotFoundError) as err:  # no response with that id was stored
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"
 
 
 def test_vllm_prompt_logprobs_field(server, http, offline):

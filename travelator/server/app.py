@@ -5,6 +5,7 @@ serving event loop and stops it at shutdown. It knows no concrete engine: whoeve
 app (``travelator serve``, in ``cli.py``; the tests) chooses one. Routes:
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not)
+- ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}`` (responses.py)
 - ``GET /v1/models``, ``GET /v1/models/{model}``
 - ``GET /health`` (200 while the step loop runs, 503 when it died, when a step has run past
   ``settings.step_timeout_s``, or when the server is draining)
@@ -56,10 +57,10 @@ from travelator.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    ResponseObject,
-    ResponsesRequest,
 )
-from travelator.server.responses import create_response
+from travelator.server.response_store import ResponseStore
+from travelator.server.responses import create_response, delete_response, get_response
+from travelator.server.responses_protocol import ResponseObject, ResponsesRequest
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
 from travelator.server.streaming import json_response
@@ -161,7 +162,9 @@ def build_app(client: EngineClient, settings: ServerSettings | None = None) -> F
                            allow_headers=settings.allowed_headers)
     _install_openapi(app)
     require_api_key = _api_key_check(settings)
-    app.include_router(_v1_routes(serving, require_api_key))
+    store = ResponseStore(settings.response_store_max_count, settings.response_store_max_bytes,
+                          settings.response_store_ttl_s)
+    app.include_router(_v1_routes(serving, store, require_api_key))
     app.include_router(pooling_routes(serving, require_api_key))
     app.include_router(_tokenizer_routes(serving, require_api_key))
     _add_operator_routes(app, serving, require_api_key)
@@ -233,8 +236,8 @@ def _api_key_check(settings: ServerSettings):
     return require_api_key
 
 
-def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
-    """The OpenAI API: completions, chat completions, models."""
+def _v1_routes(serving: OpenAIServing, store: ResponseStore, require_api_key) -> APIRouter:
+    """The OpenAI API: completions, chat completions, responses (``store``: those kept), models."""
     model = serving.model
     limit, preprocessor = serving.settings.max_body_bytes, serving.preprocessor
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
@@ -247,7 +250,15 @@ def _v1_routes(serving: OpenAIServing, require_api_key) -> APIRouter:
     @v1.post("/responses", openapi_extra=_body_schema(ResponsesRequest, ResponseObject))
     async def responses(request: Request) -> Response:
         req = await read_body(request, ResponsesRequest, limit, preprocessor)
-        return await create_response(serving, req, request)
+        return await create_response(serving, store, req, request)
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return get_response(store, response_id)
+
+    @v1.delete("/responses/{response_id}")
+    async def remove_response(response_id: str) -> Response:
+        return delete_response(store, response_id)
 
     @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:

@@ -38,6 +38,7 @@ from travelator.server.tools import (
     ToolCallReader,
     ToolPlan,
     finish_reason,
+    keeps_special_tokens,
     plan_tools,
 )
 from travelator.structured import StructuredOutput
@@ -121,7 +122,7 @@ def _prepare(serving: OpenAIServing, req: ChatCompletionRequest, tools: ToolPlan
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
     params = serving.sampling_params(req, max_tokens, top_n if req.logprobs else None, structured=structured)
-    if tools is not None and tools.mode == "auto" and tools.format == "hermes" and serving.tool_tags_are_special:
+    if keeps_special_tokens(tools, serving.tool_tags_are_special):
         params.skip_special_tokens = False  # the tags must reach the reader
     # A forced call is constrained to bare JSON, read as other models' are.
     harmony = serving.harmony if tools is None or tools.mode in ("none", "auto") else None

@@ -75,10 +75,15 @@ def response_format_spec(fmt: dict | None) -> ConstraintSpec | None:
 def constraint_spec(req: SamplingFields, forced_tool_call: dict[str, Any] | None = None) -> ConstraintSpec | None:
     """A request's one constraint: a forced tool call's schema, ``response_format`` (chat and
     completions), or ``structured_outputs``; a 400 when it sets more than one."""
-    given = [spec for spec in (
+    return single_constraint(
         ConstraintSpec({"json": forced_tool_call}, "tools") if forced_tool_call is not None else None,
         response_format_spec(getattr(req, "response_format", None)),
-        structured_outputs_spec(req.structured_outputs)) if spec is not None]
+        structured_outputs_spec(req.structured_outputs))
+
+
+def single_constraint(*specs: ConstraintSpec | None) -> ConstraintSpec | None:
+    """The one constraint among ``specs`` that is set, or a 400 naming the second one set."""
+    given = [spec for spec in specs if spec is not None]
     if len(given) > 1:
         raise APIError(400, f"{given[0].param} and {given[1].param} both constrain the output; give one",
                        param=given[1].param)

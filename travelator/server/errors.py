@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from travelator.server.protocol import ErrorInfo, ErrorResponse
+from travelator.server.responses_protocol import ITEM_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ _UNION_HINTS = {
     "stop": "expected a string or a list of strings",
     "content": "expected a string or a list of content parts",
     "messages": "expected a list of messages, each an object with a role and a content",
+    "tools": "expected a list of function tools; other tool types are not supported",
 }
 
 
@@ -92,7 +94,7 @@ def _param(error: dict) -> str | None:
 
 
 def _is_type_name(part: str) -> bool:
-    return part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part or part.startswith(
+    return part in {"str", "int", "float", "bool", "list", "dict"} or part in ITEM_TAGS or "[" in part or part.startswith(
         ("function-", "constrained-", "literal[", "tagged-union"))
 
 

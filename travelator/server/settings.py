@@ -77,6 +77,12 @@ class ServerSettings:
     max_embedding_inputs: int = 2048
     # /v1/score and /v1/rerank: the yes/no prompt and its labels (scoring.py).
     score_format: ScoreFormat = field(default_factory=ScoreFormat)
+    # Responses kept for previous_response_id and GET/DELETE /v1/responses/{id} (store: true),
+    # in this process's memory: at most this many, of at most this many bytes (as JSON) in
+    # all, least recently used out first; each for at most this many seconds.
+    response_store_max_count: int = 1000
+    response_store_max_bytes: int = 64 << 20
+    response_store_ttl_s: float = 3600.0
 
     def validate(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 1:
@@ -104,5 +110,9 @@ class ServerSettings:
             raise ValueError(f"unknown pooling {self.pooling!r}; use {' or '.join(POOLING_METHODS)}")
         if self.max_embedding_inputs < 1:
             raise ValueError(f"max_embedding_inputs must be at least 1, got {self.max_embedding_inputs}")
+        if self.response_store_max_count < 0 or self.response_store_max_bytes < 0:
+            raise ValueError("the response store's bounds must be non-negative (0: store nothing)")
+        if not self.response_store_ttl_s > 0:
+            raise ValueError(f"response_store_ttl_s must be positive, got {self.response_store_ttl_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key is empty")

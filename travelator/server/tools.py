@@ -114,12 +114,18 @@ def _lift_definitions(schema: dict[str, Any], prefix: str) -> tuple[dict[str, An
 
 def plan_tools(req: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | None:
     """The request's tool plan (None: no tools), or a 400 naming what is wrong."""
-    choice = req.tool_choice
-    if not req.tools:
+    return plan_tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, fmt)
+
+
+def plan_tool_use(tools: list[ChatTool] | None, choice: str | NamedToolChoice | None, parallel: bool,
+                  fmt: ToolCallFormat) -> ToolPlan | None:
+    """The plan of ``tools`` offered with ``choice`` (chat's fields; the Responses API's are
+    converted to them), or a 400 naming ``tools`` or ``tool_choice``."""
+    if not tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    names = [t.function.name for t in req.tools]
+    names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise APIError(400, "tool names must be unique", param="tools")
     named = None
@@ -131,7 +137,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolPlan | No
         mode = "named"
     else:
         mode = choice or "auto"
-    return ToolPlan(template_tools(req.tools), mode, named, req.parallel_tool_calls, fmt)
+    return ToolPlan(template_tools(tools), mode, named, parallel, fmt)
 
 
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
@@ -350,6 +356,12 @@ def _parse_json_call(body: str, arguments_keys: tuple[str, ...]) -> FunctionCall
         return _as_call(json.loads(body), arguments_keys)
     except json.JSONDecodeError:
         return None
+
+
+def keeps_special_tokens(plan: ToolPlan | None, tool_tags_are_special: bool) -> bool:
+    """Whether the answer's text must keep special tokens for the reader: Hermes tags that
+    are special tokens would vanish from it."""
+    return plan is not None and plan.mode == "auto" and plan.format == "hermes" and tool_tags_are_special
 
 
 def finish_reason(plan: ToolPlan | None, reader: ToolCallReader | None, engine_reason: str | None) -> str | None:
