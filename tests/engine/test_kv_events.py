@@ -120,13 +120,19 @@ class Subscriber:
         return got
 
     def receive_until(self, num_batches: int, topic: bytes = b"") -> None:
-        """Apply live batches until ``num_batches`` have been applied in all."""
+        """Apply batches until ``num_batches`` have been applied in all: live ones, and on a
+        gap (or silence: a subscription takes a moment to reach the publisher) the missing
+        ones from the replay socket, as vLLM's example subscriber does."""
         while self.mirror.next_seq < num_batches:
-            assert self.sub.poll(5000), f"batch {self.mirror.next_seq} never came"
+            if not self.sub.poll(200):
+                self.replay_from(self.mirror.next_seq)
+                continue
             got_topic, seq_bytes, payload = self.sub.recv_multipart()
             assert got_topic == topic
             seq = int.from_bytes(seq_bytes, "big")
-            if seq >= self.mirror.next_seq:  # older ones came by replay
+            if seq > self.mirror.next_seq:
+                self.replay_from(self.mirror.next_seq)
+            if seq == self.mirror.next_seq:  # older ones came by replay
                 self.mirror.apply(seq, payload)
 
 
