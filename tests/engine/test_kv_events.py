@@ -260,3 +260,12 @@ def test_events_are_off_by_default_and_a_bad_config_names_its_field():
                num_kv_blocks=8).engine.kv_events is None
     with pytest.raises(ValueError, match="kv_events_config.buffer_steps"):
         LLM("dummy:tiny", kernels="torch", kv_events_config='{"buffer_steps": "many"}')
+
+
+def test_disaggregation_refuses_events_it_cannot_publish_per_worker():
+    from travelator.disagg.frontend import DisaggConfig, DisaggregatedFrontEnd
+    from travelator.engine_args import engine_config
+
+    config = engine_config("dummy:tiny", kv_events_config='{"enable_kv_cache_events": true}')
+    with pytest.raises(ValueError, match="kv-events-config"):
+        DisaggregatedFrontEnd(config, DisaggConfig(1, 1))
