@@ -18,7 +18,9 @@ import zmq
 
 from travelator import LLM, SamplingParams
 from travelator.engine.block_manager import KVCacheManager
-from travelator.engine.kv_events import KVEventRecorder
+from travelator.config import KVEventsConfig
+from travelator.engine.kv_event_publisher import ZmqEventPublisher, endpoint_for_rank
+from travelator.engine.kv_events import AllBlocksCleared, KVEventBatch, KVEventRecorder
 from travelator.engine.request import Request
 
 # vLLM's event structs, their fields in declaration order (the array layout's positions).
@@ -253,6 +255,28 @@ def test_the_replay_buffer_keeps_the_last_batches():
     assert sub.replay_from(0) == [n - 3, n - 2, n - 1]
     assert sub.replay_from(n - 2) == [n - 2, n - 1]
     engine.shutdown()
+
+
+def test_a_data_parallel_rank_publishes_on_its_own_endpoint():
+    """vLLM's offset_endpoint_port: rank r on port + r, or an inproc name suffixed _dp<r>."""
+    assert endpoint_for_rank("tcp://*:5557", 0) == "tcp://*:5557"
+    assert endpoint_for_rank("tcp://*:5557", 3) == "tcp://*:5560"
+    assert endpoint_for_rank("tcp://10.0.0.2:5557", 1) == "tcp://10.0.0.2:5558"
+    assert endpoint_for_rank("inproc://cache", 2) == "inproc://cache_dp2"
+    assert endpoint_for_rank(None, 2) is None
+    # And its batches say which rank they come from.
+    publisher = ZmqEventPublisher(KVEventsConfig(True, endpoint="inproc://kv-events-test"), data_parallel_rank=2)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect("inproc://kv-events-test_dp2")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    for _ in range(50):  # until the subscription has reached the publisher
+        publisher.publish(KVEventBatch(1.5, [AllBlocksCleared()]))
+        if sub.poll(100):
+            break
+    _, _, payload = sub.recv_multipart()
+    assert msgpack.unpackb(payload) == [1.5, [{"type": "AllBlocksCleared"}], 2]
+    publisher.shutdown()
+    sub.close(linger=0)
 
 
 def test_events_are_off_by_default_and_a_bad_config_names_its_field():
