@@ -9,6 +9,8 @@ added here shows up in all of them.
 
 from __future__ import annotations
 
+import json
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal
@@ -24,6 +26,8 @@ LoadFormat = Literal["auto", "dummy"]
 Kernels = Literal["auto", "native", "triton", "torch"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 LmHeadQuantization = Literal["auto", "none", "int8", "int4"]
+KVEventsPublisher = Literal["null", "zmq"]
+KVEventsLayout = Literal["map", "array"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +138,22 @@ class CacheConfig:
         "and head, 1.9x the tokens of bf16 at head_dim 64)")] = "auto"
     enable_prefix_caching: Annotated[bool, Setting(
         "turn automatic prefix caching off", flag="--no-prefix-caching")] = True
+    kv_events_config: Annotated[str | None, Setting(
+        "publish the prefix cache's block-stored / block-removed / all-cleared events in vLLM's "
+        "wire format for cluster routers: a JSON object with vLLM's --kv-events-config keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (default: off)')] = None
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed kv_events_config, or None when events are off."""
+        if self.kv_events_config is None:
+            return None
+        parsed = KVEventsConfig.from_json(self.kv_events_config)
+        return parsed if parsed.enable_kv_cache_events and parsed.publisher != "null" else None
 
     def validate(self) -> None:
         _check_choices(self)
+        self.kv_events()  # raises on a malformed config
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -147,6 +164,51 @@ class CacheConfig:
             raise ValueError("kv_memory_share must be in (0, 1]")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig (same keys, same defaults), plus the layout of an event on the wire."""
+
+    enable_kv_cache_events: bool = False
+    publisher: KVEventsPublisher | None = None  # None: zmq when enabled (as vLLM)
+    endpoint: str = "tcp://*:5557"  # PUB socket: bound if it has * or :: (or is ipc/inproc), else connected
+    replay_endpoint: str | None = None  # ROUTER socket answering replay requests
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the sending thread
+    topic: str = ""
+    # map: each event a map tagged by "type" (vLLM since its 0.23); array: a positional array
+    # led by the tag (vLLM up to 0.22, what older consumers decode).
+    wire_layout: KVEventsLayout = "map"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_events_config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        hints = typing.get_type_hints(cls)
+        for key, value in raw.items():
+            if key not in hints:
+                raise ValueError(f"kv_events_config: unknown key {key!r}; the keys are {', '.join(hints)}")
+            if not _fits(value, hints[key]):
+                raise ValueError(f"kv_events_config.{key}: {value!r} is not a valid {hints[key]}")
+        config = cls(**raw)
+        if min(config.buffer_steps, config.hwm, config.max_queue_size) < 1:
+            raise ValueError("kv_events_config: buffer_steps, hwm and max_queue_size must be positive")
+        return config
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has a config field's type (bool is not an int here)."""
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(hint))
+    return value is None if hint is type(None) else type(value) is hint
 
 
 @dataclass(slots=True)

@@ -371,6 +371,9 @@ def _worker_config(config: EngineConfig, disagg: DisaggConfig) -> EngineConfig:
                          f"{config.scheduler.batching}: a decode worker admits each request as its KV comes")
     if config.scheduler.speculative_method == "draft":
         raise ValueError("--disaggregate does not move a draft model's cache: use ngram speculation or none")
+    if config.cache.kv_events() is not None:
+        raise ValueError("--kv-events-config publishes one engine's cache: with --disaggregate every "
+                         "worker would bind the same endpoint (not supported yet)")
     workers = disagg.num_prefill + disagg.num_decode
     return dataclasses.replace(config, cache=dataclasses.replace(
         config.cache, kv_memory_share=config.cache.kv_memory_share / workers))

@@ -16,6 +16,10 @@ Sliding windows: when every layer of the model attends to at most ``sliding_wind
 never read again; ``release_out_of_window`` returns them to the pool as the request
 advances, leaving ``RELEASED`` in its block table, which stays indexed by position
 (docs/design.md, "Sliding windows and the block pool").
+
+A ``KVCacheListener`` (optional) hears of every change to the set of keyed blocks: a block
+keyed, a keyed block evicted, the cache cleared; engine/kv_events.py turns that into the
+events cluster routers read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from travelator.engine.request import Request
 
@@ -47,9 +52,24 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # of those, found in the cache
 
 
+class KVCacheListener(Protocol):
+    """What becomes of the prefix cache's keyed blocks, as it happens."""
+
+    def blocks_stored(self, keys: list[bytes], parent: bytes | None, token_ids: list[int]) -> None:
+        """Consecutive blocks of one sequence got keys; ``parent`` keys the block before the
+        first (None: they start the sequence); ``token_ids`` are their tokens, in order."""
+
+    def block_removed(self, key: bytes) -> None:
+        """The block keyed ``key`` is reused for new data: the key is no longer cached."""
+
+    def all_cleared(self) -> None:
+        """Every key was dropped."""
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 namespace: str = "", sliding_window: int | None = None) -> None:
+                 namespace: str = "", sliding_window: int | None = None,
+                 listener: KVCacheListener | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         if sliding_window is not None and sliding_window < 1:
@@ -73,6 +93,7 @@ class KVCacheManager:
         self._num_keyed: dict[str, int] = {}  # leading blocks of a request already keyed
         self._num_released: dict[str, int] = {}  # leading blocks of a request back in the pool
         self.stats = PrefixCacheStats()
+        self.listener = listener
 
     # ---- state ---------------------------------------------------------------------
     @property
@@ -158,13 +179,29 @@ class KVCacheManager:
         if full <= start:
             return
         keys = self.block_keys(req)
+        stored: list[int] = []
         for i in range(start, full):
             block, key = table[i], keys[i]
             if self._block_key[block] is None and key not in self._cached:
                 self._cached[key] = block
                 self._block_key[block] = key
+                stored.append(i)
             # else: it is a cache hit already, or a twin block holds the key.
         self._num_keyed[rid] = full
+        if stored and self.listener is not None:
+            self._announce_stored(req, keys, stored)
+
+    def _announce_stored(self, req: Request, keys: list[bytes], positions: list[int]) -> None:
+        """Tell the listener of the newly keyed blocks at ``positions``, one call per run of
+        consecutive ones (a twin elsewhere, already keyed, splits a run)."""
+        bs = self.block_size
+        run_start = 0
+        for j in range(1, len(positions) + 1):
+            if j == len(positions) or positions[j] != positions[j - 1] + 1:
+                first, last = positions[run_start], positions[j - 1]
+                self.listener.blocks_stored(keys[first:last + 1], keys[first - 1] if first else None,
+                                            req.token_slice(first * bs, (last + 1) * bs))
+                run_start = j
 
     # ---- allocation ----------------------------------------------------------------
     def allocate_slots(self, req: Request, num_tokens_after: int,
@@ -200,6 +237,8 @@ class KVCacheManager:
         if key is not None:  # evict: the block is about to hold new data
             if self._cached.get(key) == block:
                 del self._cached[key]
+                if self.listener is not None:
+                    self.listener.block_removed(key)
             self._block_key[block] = None
         self._ref_cnt[block] = 1
         self._num_used += 1
@@ -249,6 +288,21 @@ class KVCacheManager:
             if self._block_key[block] is None:
                 # Nothing reusable in it: hand it out before any cached block.
                 self._free.move_to_end(block, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every key (after a weight reload, say), when no request holds a block: a held
+        block may be read by its request's later steps as a hit. Returns whether it did."""
+        if self._num_used:
+            return False
+        self._cached.clear()
+        self._block_key = [None] * self.num_blocks
+        if self.listener is not None:
+            self.listener.all_cleared()
+        return True
+
+    def cached_keys(self) -> set[bytes]:
+        """The keys the prefix cache holds now (O(cached blocks): for checks, not steps)."""
+        return set(self._cached)
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_prompt_tokens

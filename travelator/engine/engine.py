@@ -15,6 +15,7 @@ from travelator.engine.tp_executor import TensorParallelError, make_executor
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.block_manager import KVCacheManager, blocks_for
+from travelator.engine.kv_event_publisher import KVEventStream
 from travelator.engine.kv_handoff import KVHandoff, KVHandoffs
 from travelator.engine.kv_profile import LargestStep, device_memory_stats, profile_memory
 from travelator.engine.kv_sizing import MemoryProfile, kv_pool_blocks
@@ -64,14 +65,7 @@ class LLMEngine:
         self.memory_profile: MemoryProfile | None = None  # what start-up measured on a GPU
         num_blocks = self._size_kv_pool(block_size)
         self.runner.allocate_kv_cache(num_blocks, block_size)
-        self.kv = KVCacheManager(
-            num_blocks, block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            sliding_window=self._releasable_window(),
-            # Keys change with anything that changes the KV: model, weights, dtypes.
-            namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{dtype}|{kv_dtype}|{mc.quantization}"
-                      f"|{mc.quantization_group_size}|{mc.lm_head_quantization}",
-        )
+        self.kv_events, self.kv = self._kv_cache_manager(num_blocks, block_size, kv_dtype)
         self.scheduler: SchedulerBase = make_scheduler(config.scheduler, self.kv)
         self.request_factory = RequestFactory(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                                self.eos_token_ids, self.grammars)
@@ -88,8 +82,12 @@ class LLMEngine:
         logger.info("%s", self.summary)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        """Stop the tensor-parallel workers, if any, and the KV event publisher (idempotent;
+        the workers are also stopped at exit)."""
         self.runner.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
 
     # ---- set-up --------------------------------------------------------------------
     def _draft_source(self) -> ModelSource | None:
@@ -123,6 +121,24 @@ class LLMEngine:
         if len(windows) != 1 or None in windows or self.config.scheduler.speculative_method == "draft":
             return None
         return windows.pop()
+
+    def _kv_cache_manager(self, num_blocks: int, block_size: int,
+                          kv_dtype: torch.dtype) -> tuple[KVEventStream | None, KVCacheManager]:
+        """The pool's bookkeeping, and its event stream when KV events are on."""
+        mc, cache = self.config.model, self.config.cache
+        events = cache.kv_events()
+        # Off by default: the prefix cache's changes for cluster routers (engine/kv_events.py).
+        stream = None if events is None else KVEventStream(events, block_size)
+        kv = KVCacheManager(
+            num_blocks, block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            sliding_window=self._releasable_window(),
+            listener=None if stream is None else stream.recorder,
+            # Keys change with anything that changes the KV: model, weights, dtypes.
+            namespace=f"{self.model_name}|{mc.load_format}|{mc.seed}|{self.dtype}|{kv_dtype}|{mc.quantization}"
+                      f"|{mc.quantization_group_size}|{mc.lm_head_quantization}",
+        )
+        return stream, kv
 
     def _size_kv_pool(self, block_size: int) -> int:
         cache = self.config.cache
@@ -242,7 +258,21 @@ class LLMEngine:
         """Seconds per phase of the step, summed since start: where a step's time goes."""
         return {**self._phase_times, **self.runner.phase_times}
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, when no request holds a block; returns whether it did."""
+        done = self.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return done
+
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:  # this step's changes to the cache, as one batch
+                self.kv_events.flush()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self._phase_times["schedule"] += time.perf_counter() - t0
