@@ -4,9 +4,10 @@ llguidance's JSON-schema compiler lets a number take any count of digits and an 
 count of zeros (``-5.1000000…``, ``22.1e0000…``): a small model can write digits until
 ``max_tokens`` and never close its JSON. The compiler has no option to bound them, so a schema
 is rewritten here as a Lark grammar: objects, arrays, ``anyOf``, type lists and ``$defs``
-references become rules, numbers a bounded regex, and every other subschema (strings with
-constraints, ``enum``, ``const``, ``allOf``, ``oneOf``, numbers with ``multipleOf``, ...) stays
-a ``%json`` block that llguidance compiles as before. Every rewrite keeps a subset of the
+references become rules, numbers a bounded regex (with integer ``minimum``/``maximum``, a range
+regex too, and no exponent), and every other subschema (strings with constraints, ``enum``,
+``const``, ``allOf``, ``oneOf``, ``multipleOf``, a number bound that is not an integer, ...)
+stays a ``%json`` block that llguidance compiles as before. Every rewrite keeps a subset of the
 schema's language (it only drops over-long numbers and, from an open object, extra keys that
 need escapes or repeat a named one), so an output the grammar accepts validates against the
 schema. A schema this cannot rewrite (a reference other than ``#/$defs/…``, a ``false``
@@ -195,7 +196,23 @@ class _Translator:
         return self._terminal(integer_range_regex(low, high)) if low <= high else None
 
     def _number(self, schema: dict[str, Any], keys: set[str]) -> str | None:
-        return "NUM" if keys <= {"type"} else None
+        """Without an exponent where the schema has bounds; those must be integers."""
+        bounds = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+        if not keys <= {"type"} | bounds or not all(_finite(schema[k]) and schema[k] == int(schema[k])
+                                                   for k in keys & bounds):
+            return None
+        if keys <= {"type"}:
+            return "NUM"
+        low, high = _number_bounds(schema)
+        digits = max(self._limits.digits, *(len(str(abs(b[0]))) for b in (low, high) if b is not None))
+        widest = (10**digits - 1, True)
+        ranged = decimal_range_regex(low, high, widest)
+        if ranged is None:
+            return None  # empty: llguidance says so
+        limits = NumberLimits(digits, self._limits.exponent_digits)
+        name = f"NUM{len(self._rules)}"
+        self._rules.append(f"{name}: {_regex(ranged)} & {_regex(limits.number_regex())}")
+        return name
 
     def _string(self, schema: dict[str, Any], keys: set[str]) -> str | None:
         return "STR" if keys <= {"type"} else None
@@ -237,6 +254,50 @@ def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     highs = [math.floor(schema["maximum"])] if "maximum" in schema else []
     highs += [math.ceil(schema["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in schema else []
     return max(lows, default=None), min(highs, default=None)
+
+
+def _number_bounds(schema: dict[str, Any]) -> tuple[tuple[int, bool] | None, tuple[int, bool] | None]:
+    """The schema's lowest and highest bounds (integers) and whether each is allowed."""
+    lows = [(int(schema[k]), k == "minimum") for k in ("minimum", "exclusiveMinimum") if k in schema]
+    highs = [(int(schema[k]), k == "maximum") for k in ("maximum", "exclusiveMaximum") if k in schema]
+    # The tighter of two bounds at one value is the exclusive one.
+    low = max(lows, key=lambda b: (b[0], not b[1]), default=None)
+    high = min(highs, key=lambda b: (b[0], b[1]), default=None)
+    return low, high
+
+
+def decimal_range_regex(low: tuple[int, bool] | None, high: tuple[int, bool] | None,
+                        widest: tuple[int, bool]) -> str | None:
+    """A regex for the decimals ``-?I(.F)?`` between integer bounds (value, allowed), None
+    for no bound (then ``widest`` or its negation); None when no decimal is between them."""
+    high_or_widest = high or widest
+    low_or_widest = low or (-widest[0], widest[1])
+    parts = []
+    if high_or_widest[0] >= 0:  # x >= 0: its magnitude between max(low, 0) and high
+        start = low_or_widest if low_or_widest[0] >= 0 else (0, True)
+        parts.append(_magnitude_range(start, high_or_widest))
+    if low_or_widest[0] < 0:  # x < 0: its magnitude between max(-high, 0) (never 0) and -low
+        start = (-high_or_widest[0], high_or_widest[1]) if high_or_widest[0] < 0 else (0, False)
+        magnitudes = _magnitude_range(start, (-low_or_widest[0], low_or_widest[1]))
+        parts.append(magnitudes and "-" + magnitudes)
+    parts = [p for p in parts if p]
+    return "(" + "|".join(parts) + ")" if parts else None
+
+
+def _magnitude_range(low: tuple[int, bool], high: tuple[int, bool]) -> str | None:
+    """A regex for the decimals ``I(.F)?`` from ``low`` to ``high`` (0 <= values; each with
+    whether it is allowed), None when none is between them."""
+    (a, a_allowed), (b, b_allowed) = low, high
+    if a > b or (a == b and not (a_allowed and b_allowed)):
+        return None
+    if a == b:
+        return f"{a}(\\.0+)?"
+    parts = [f"{a}(\\.[0-9]+)?" if a_allowed else f"{a}\\.[0-9]*[1-9][0-9]*"]
+    if b - a > 1:
+        parts.append(f"{_natural_range(a + 1, b - 1)}(\\.[0-9]+)?")
+    if b_allowed:
+        parts.append(f"{b}(\\.0+)?")
+    return "(" + "|".join(parts) + ")"
 
 
 def integer_range_regex(low: int, high: int) -> str:
