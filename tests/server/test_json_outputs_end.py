@@ -3,7 +3,8 @@ on stories260K returns a parsed object with finish_reason "stop" within 64 token
 sampled. Before numbers were bounded (json_grammar.py), this model wrote digits without end
 (``{"x": -3.1, "y": -5.1000000…``) and parse() raised LengthFinishReasonError. The content is
 checked against pydantic's own JSON schema with jsonschema, and its numbers against the
-bound; a strict schema that does not close its objects gets no keys it does not name."""
+bound; a strict schema (response_format or function tool) that does not close its objects
+gets no keys it does not name."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from paths import STORIES, needs_stories
 from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
+from travelator.server.protocol import ChatCompletionRequest
 from travelator.server.settings import ServerSettings
+from travelator.server.tools import plan_tools
 
 pytestmark = needs_stories
 
@@ -94,3 +97,22 @@ def test_a_strict_schema_is_closed(client):
                                            max_tokens=64, temperature=1.0, seed=seed)
         assert r.choices[0].finish_reason == "stop"
         assert list(json.loads(r.choices[0].message.content)) == ["x"]
+        # A strict function tool, forced: its arguments likewise.
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}
+        r = client.chat.completions.create(model="stories", messages=msgs, tools=[tool], max_tokens=64,
+                                           tool_choice={"type": "function", "function": {"name": "f"}},
+                                           temperature=1.0, seed=seed)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop" and list(json.loads(call.function.arguments)) == ["x"]
+
+
+def test_strict_function_tools_alone_are_closed():
+    schema = {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {"type": "number"}}}}}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema, "strict": strict}}
+             for name, strict in (("closed", True), ("open", False))]
+    for name, closed in (("closed", True), ("open", False)):
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                    tool_choice={"type": "function", "function": {"name": name}})
+        forced = plan_tools(req, "hermes").forced_schema()
+        assert (forced.get("additionalProperties") is False) == closed
+        assert (forced["properties"]["p"].get("additionalProperties") is False) == closed
