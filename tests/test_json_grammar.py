@@ -186,6 +186,13 @@ def test_the_bound_is_configurable():
     assert not ok('{"x": 1.255, "y": 0}') and not ok('{"x": 1, "y": 1e10}')
 
 
+@pytest.mark.parametrize("text", ['{ "a": 1}', '{"a":1}', '{"a": [1,  2]}', '{"a": [1, 2] }', '{"a": 1}\n',
+                                  '{"a": {"b" : null}}'])
+def test_json_objects_have_no_free_whitespace(text):
+    assert json.loads(text) and not accepts({"type": "object"}, text)
+    assert accepts({"type": "object"}, json.dumps(json.loads(text), separators=(", ", ": ")))
+
+
 @given(st.integers(-10**20, 10**20), st.integers(-10**20, 10**20), st.integers(-10**21, 10**21))
 @settings(max_examples=300, deadline=None)
 def test_integer_range_regex_matches_exactly_the_range(a, b, n):
