@@ -10,8 +10,8 @@ regex too, and no exponent), and every other subschema (strings with constraints
 stays a ``%json`` block that llguidance compiles as before. Every rewrite keeps a subset of the
 schema's language (it only drops over-long numbers and, from an open object, extra keys that
 need escapes or repeat a named one), so an output the grammar accepts validates against the
-schema. A schema this cannot rewrite (a reference other than ``#/$defs/…``, a ``false``
-subschema, its own ``x-guidance``) is compiled whole by llguidance, unbounded.
+schema. A schema this cannot rewrite (a reference other than ``#/$defs/…``, an ``$id``, a
+``false`` subschema, its own ``x-guidance``) is compiled whole by llguidance, unbounded.
 
 Whitespace: ", " and ": " between items and after keys, none anywhere else.
 """
@@ -61,9 +61,25 @@ class Untranslatable(Exception):
 
 def json_schema_lark(schema: Any, limits: NumberLimits) -> str:
     """``schema`` as an llguidance Lark grammar with bounded numbers; raises Untranslatable."""
-    if not isinstance(schema, dict) or "x-guidance" in schema:
+    if not isinstance(schema, dict) or "x-guidance" in schema or not _refers_only_to_definitions(schema):
         raise Untranslatable
     return _Translator(schema, limits).grammar()
+
+
+def _refers_only_to_definitions(node: Any) -> bool:
+    """Whether every reference is to the root's ``$defs``/``definitions`` (and no ``$id`` or
+    anchor moves them): those stay right inside a ``%json`` block that carries the
+    definitions; ``#`` or ``#/properties/...`` would point into the block instead."""
+    if isinstance(node, list):
+        return all(_refers_only_to_definitions(v) for v in node)
+    if not isinstance(node, dict):
+        return True
+    if {"$id", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef"} & set(node):
+        return False
+    ref = node.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/"))):
+        return False
+    return all(_refers_only_to_definitions(v) for v in node.values())
 
 
 class _Translator:
