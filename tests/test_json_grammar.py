@@ -185,6 +185,11 @@ def _keys(value) -> list[str]:
     return [k for v in value for k in _keys(v)] if isinstance(value, list) else []
 
 
+def test_a_root_reference_keeps_its_meaning():
+    chain = RECURSIVE[-1]
+    assert accepts(chain, '{"v": 1, "next": {"v": 2, "next": null}}') and not accepts(chain, '{"v": 1, "next": 2}')
+
+
 @pytest.mark.parametrize("text", ["0", "-0", "7", "-3.1", "0.5", "12345678901234567", "0.12345678901234567",
                                   "1234567890123456.7", "-5.1e-5", "2E+308", "1e999", "4.5e007"])
 def test_numbers_within_the_bound_are_accepted(text):
