@@ -52,8 +52,11 @@ SCHEMAS = [
     {"type": "object", "properties": {'a"b': {"type": "integer"}, "é ü": {"type": "number"}, "\n": {"type": "null"},
                                       "id": {"type": "boolean"}}, "required": ['a"b', "\n"]},
 ]
-# hypothesis-jsonschema does not draw from recursive schemas: these are walked only.
-RECURSIVE = [
+PAIR = {"type": "array", "prefixItems": [{"type": "number"}, {"type": "integer", "minimum": 0}], "items": False,
+        "minItems": 2}
+TUPLE = {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}], "minItems": 1, "maxItems": 4}
+# hypothesis-jsonschema draws neither from recursive schemas nor by prefixItems: walked only.
+WALKED_ONLY = [PAIR, TUPLE,
     {"$defs": {"Tree": {"type": "object", "properties": {"v": {"type": "integer", "maximum": -2},
                                                          "kids": {"type": "array", "items": {"$ref": "#/$defs/Tree"},
                                                                   "maxItems": 2}},
@@ -116,9 +119,9 @@ def check_bounded(text: str, limits: NumberLimits = NumberLimits()) -> None:
     assert not re.search(r"\s", outside.replace(", ", ",").replace(": ", ":")), text
 
 
-@pytest.mark.parametrize("schema", SCHEMAS + RECURSIVE, ids=range(len(SCHEMAS + RECURSIVE)))
+@pytest.mark.parametrize("schema", SCHEMAS + WALKED_ONLY, ids=range(len(SCHEMAS + WALKED_ONLY)))
 def test_every_walk_validates_and_is_bounded(schema):
-    unbounded = schema is RECURSIVE[-1]
+    unbounded = schema is WALKED_ONLY[-1]
     rng, ended = random.Random(0), 0
     for _ in range(40):
         text = walk(schema, rng)
@@ -155,7 +158,10 @@ def _in_schema_order(value, schema, root):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_instances_in_bounds_are_accepted(schema, data):
-    value = _in_schema_order(data.draw(from_schema(copy.deepcopy(schema))), schema, schema)
+    drawn = data.draw(from_schema(copy.deepcopy(schema)))
+    # What 2020-12 calls valid (hypothesis-jsonschema reads an older draft).
+    assume(jsonschema.Draft202012Validator(schema).is_valid(drawn))
+    value = _in_schema_order(drawn, schema, schema)
     text = json.dumps(value, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)
     try:
         check_bounded(text)
@@ -185,8 +191,22 @@ def _keys(value) -> list[str]:
     return [k for v in value for k in _keys(v)] if isinstance(value, list) else []
 
 
+def test_strings_take_what_json_allows():
+    text = '{"\x7f": "\x7f é \\u00e9 \\n \\"", "k": {"\x7f": ["\\/"]}}'
+    assert json.loads(text) and accepts({"type": "object"}, text)
+    # Named properties first, extra keys after them.
+    assert accepts({"type": "object", "properties": {"k": {}}}, '{"k": {"\x7f": ["\\/"]}, "\x7f": "\x7f"}')
+    assert not accepts({"type": "object"}, '{"a": "\n"}')  # a raw control character
+
+
+def test_prefix_items():
+    assert accepts(PAIR, "[1.5, 2]") and not any(accepts(PAIR, t) for t in ("[1.5]", "[1.5, -2]", "[1.5, 2, 3]"))
+    assert all(accepts(TUPLE, t) for t in ('["a"]', '["a", 1]', '["a", 1, null, {"k": [2]}]'))
+    assert not any(accepts(TUPLE, t) for t in ("[]", '["a", "b"]', '["a", 1, 2, 3, 4]', "[1]"))
+
+
 def test_a_root_reference_keeps_its_meaning():
-    chain = RECURSIVE[-1]
+    chain = WALKED_ONLY[-1]
     assert accepts(chain, '{"v": 1, "next": {"v": 2, "next": null}}') and not accepts(chain, '{"v": 1, "next": 2}')
 
 

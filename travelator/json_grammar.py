@@ -29,8 +29,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # Keywords that say nothing about which values are valid.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated",
                           "readOnly", "writeOnly", "$schema", "$defs", "definitions"})
-_STRING = r'/"(\\(["\\\/bfnrt]|u[a-fA-F0-9]{4})|[^"\\\x00-\x1F\x7F])*"/'
-_PLAIN_KEY = r'/"[^"\\\x00-\x1F\x7F]*"/'  # an extra key: no escapes, so none can spell a named key
+_STRING = r'/"(\\(["\\\/bfnrt]|u[a-fA-F0-9]{4})|[^"\\\x00-\x1F])*"/'
+_PLAIN_KEY = r'/"[^"\\\x00-\x1F]*"/'  # an extra key: no escapes, so none can spell a named key
 _MAX_ITEMS_UNROLLED = 1000  # a larger maxItems stays llguidance's
 
 
@@ -187,17 +187,31 @@ class _Translator:
         return first
 
     def _array(self, schema: dict[str, Any], keys: set[str]) -> str | None:
+        prefix, items = schema.get("prefixItems", []), schema.get("items", True)
         low, high = schema.get("minItems", 0), schema.get("maxItems")
-        items = schema.get("items", True)
-        if (not keys <= {"type", "items", "minItems", "maxItems"} or items is False or isinstance(items, list)
-                or not _count(low) or not (high is None or _count(high) and low <= high <= _MAX_ITEMS_UNROLLED)):
+        if items is False and isinstance(prefix, list):
+            high = len(prefix) if high is None else min(high, len(prefix))
+        if (not keys <= {"type", "prefixItems", "items", "minItems", "maxItems"} or not isinstance(prefix, list)
+                or isinstance(items, list) or not _count(low)
+                or not (high is None or _count(high) and low <= high <= _MAX_ITEMS_UNROLLED)):
             return None
         if high == 0:
             return _lit("[]")
-        item = self.expr(items)
-        more = f"{{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
-        body = f"{item} ({_lit(', ')} {item}){more}"
-        return f"{_lit('[')} {body if low else f'({body})?'} {_lit(']')}"
+        sep = _lit(", ")
+        if not prefix:
+            item = self.expr(items)
+            body = f"{item} ({sep} {item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
+            return f"{_lit('[')} {body if low else f'({body})?'} {_lit(']')}"
+        # From the last element back: the items after the prefix (each after a separator),
+        # then the prefix's own, optional from index minItems on.
+        after = ""
+        if high is None or high > len(prefix):
+            rest = f"{{{max(low - len(prefix), 0)},{'' if high is None else high - len(prefix)}}}"
+            after = f"({sep} {self.expr(items)}){rest}"
+        for i in reversed(range(min(len(prefix), high or len(prefix)))):
+            element = ("" if i == 0 else f"{sep} ") + f"{self.expr(prefix[i])} {after}"
+            after = element if i < low else f"({element})?"
+        return f"{_lit('[')} {after} {_lit(']')}"
 
     def _integer(self, schema: dict[str, Any], keys: set[str]) -> str | None:
         bounds = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
