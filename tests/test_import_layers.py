@@ -20,8 +20,8 @@ ROOT = "travelator"  # the unit of the package's own __init__.py
 # Lowest first. A unit is a subpackage or a top-level module of travelator/; units on one
 # floor may import each other.
 FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("values", frozenset({"config", "default_model", "engine_args", "errors", "prompts",
-                          "pooling_params", "sampling_params", "structured"})),
+    ("values", frozenset({"config", "default_model", "engine_args", "errors", "json_grammar",
+                          "pooling_params", "prompts", "sampling_params", "strict_schema", "structured"})),
     ("kernels", frozenset({"kernels"})),
     ("model", frozenset({"model"})),
     ("engine", frozenset({"engine"})),

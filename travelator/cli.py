@@ -56,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         grammar_compile_timeout_s=args.grammar_compile_timeout, max_constraint_bytes=args.max_constraint_bytes,
-        tool_call_parser=args.tool_call_parser, pooling=args.pooling,
+        tool_call_parser=args.tool_call_parser, pooling=args.pooling, json_number_digits=args.json_number_digits,
+        json_exponent_digits=args.json_exponent_digits,
         score_format=ScoreFormat(args.score_template, tuple(args.score_labels.split(","))),
         response_store_max_count=args.response_store_max_count,
         response_store_max_bytes=args.response_store_max_bytes, response_store_ttl_s=args.response_store_ttl,
@@ -160,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-constraint-bytes", type=int, default=256 << 10,
                      help="largest output constraint compiled, as sent (JSON schema, regex, grammar, forced "
                           "tool call); past it the request gets a 400 before any work (default 262144)")
+    srv.add_argument("--json-number-digits", type=int, default=17,
+                     help="most digits of a number in a JSON-constrained output (response_format, forced "
+                          "tool calls), integer and fraction parts together (default 17)")
+    srv.add_argument("--json-exponent-digits", type=int, default=3,
+                     help="most digits of a number's exponent in a JSON-constrained output (default 3)")
     srv.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default="auto",
                      help="how tool calls are read out of the text with tool_choice auto: Hermes "
                           "<tool_call> tags or Llama 3 JSON (default: auto, from the chat template)")

@@ -16,11 +16,9 @@ from typing import Any
 import llguidance
 
 from travelator.errors import InvalidRequestError
+from travelator.json_grammar import JSON_OPTIONS, NumberLimits, Untranslatable, json_schema_lark
 
-
-# JSON without free whitespace (", " and ": " separators): a model cannot stall the output on
-# whitespace, which a JSON grammar otherwise allows without end.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_DEFAULT_LIMITS = NumberLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +28,10 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # Lark, as llguidance reads it
+    # How long a number in a JSON output may be (json and json_object; see NumberLimits): a
+    # small model otherwise writes digits until max_tokens.
+    number_digits: int = _DEFAULT_LIMITS.digits
+    exponent_digits: int = _DEFAULT_LIMITS.exponent_digits
     # The llguidance grammar (a JSON document), built and checked once, when the constraint is
     # made: every copy of the request's parameters and its matcher share it.
     grammar_text: str = field(init=False, repr=False, compare=False)
@@ -46,6 +48,8 @@ class StructuredOutput:
         if self.json is not None and not _integers_fit(self.json):
             # A tensor-parallel engine sends the schema to every rank in 64-bit integers.
             raise InvalidRequestError("the schema holds an integer outside [-2^63, 2^64)", "structured_outputs.json")
+        if self.number_digits < 1 or self.exponent_digits < 1:
+            raise InvalidRequestError("number_digits and exponent_digits must be at least 1", "structured_outputs")
         # Raise InvalidRequestError when the schema, regex or grammar does not compile.
         text = ""
         try:
@@ -67,11 +71,8 @@ class StructuredOutput:
         return "structured_outputs.json_object"
 
     def _build_grammar(self) -> str:
-        if self.json is not None:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(self.json), defaults=_JSON_OPTIONS)
-        if self.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}),
-                                                                 defaults=_JSON_OPTIONS)
+        if self.json is not None or self.json_object:
+            return self._json_grammar(self.json if self.json is not None else {"type": "object"})
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
@@ -79,6 +80,16 @@ class StructuredOutput:
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in self.choice))
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+    def _json_grammar(self, schema: Any) -> str:
+        """The schema's grammar with bounded numbers; llguidance's own (unbounded numbers)
+        for a schema json_grammar cannot rewrite."""
+        try:
+            lark = json_schema_lark(schema, NumberLimits(self.number_digits, self.exponent_digits))
+        except Untranslatable:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
 def _integers_fit(value: Any) -> bool:

@@ -25,7 +25,8 @@ from travelator import LLM
 from travelator.engine.async_engine import AsyncEngine
 from travelator.server.app import build_app
 from travelator.server.response_store import ResponseStore, stored
-from travelator.server.responses_protocol import ResponseObject
+from travelator.server.responses_input import text_format_spec
+from travelator.server.responses_protocol import ResponseObject, TextFormat
 from travelator.server.settings import ServerSettings
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER},
@@ -292,8 +293,13 @@ class Owner(BaseModel):
     tidy: bool
 
 
+class Point(BaseModel):
+    x: float
+    y: float
+
+
 @needs_stories
-@pytest.mark.parametrize("model", [Pet, Owner])
+@pytest.mark.parametrize("model", [Pet, Owner, Point])
 def test_responses_parse_on_stories260k(model):
     llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=256)
     app = build_app(AsyncEngine(llm.engine), ServerSettings(served_model_names=["stories"]))
@@ -306,6 +312,15 @@ def test_responses_parse_on_stories260k(model):
             assert resp.status == "completed" and isinstance(resp.output_parsed, model)
             assert model.model_validate_json(resp.output_text) == resp.output_parsed
             assert resp.text.format.type == "json_schema" and resp.text.format.strict is True
+
+
+def test_a_strict_text_format_is_closed_and_a_loose_one_open():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
+    strict = text_format_spec(TextFormat(type="json_schema", schema=schema, strict=True)).fields["json"]
+    assert strict["additionalProperties"] is False
+    assert strict["properties"]["a"]["additionalProperties"] is False
+    loose = text_format_spec(TextFormat(type="json_schema", schema=schema)).fields["json"]
+    assert "additionalProperties" not in loose
 
 
 class _Clock:

@@ -22,8 +22,10 @@ from typing import Any
 
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.errors import InvalidRequestError
+from travelator.json_grammar import NumberLimits
 from travelator.server.errors import APIError
 from travelator.server.protocol import SamplingFields, StructuredOutputs
+from travelator.strict_schema import close_objects
 from travelator.structured import StructuredOutput
 
 
@@ -56,7 +58,7 @@ def structured_outputs_spec(fields: StructuredOutputs | None) -> ConstraintSpec 
 
 def response_format_spec(fmt: dict | None) -> ConstraintSpec | None:
     """OpenAI's ``response_format``: text (no constraint), json_object, or json_schema (its
-    ``schema``, strict or not: the output always matches it here)."""
+    ``schema``, strict or not: the output always matches it here; a strict one is closed)."""
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
         return None
@@ -67,7 +69,9 @@ def response_format_spec(fmt: dict | None) -> ConstraintSpec | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
                            param="response_format.json_schema")
-        return ConstraintSpec({"json": spec.get("schema", {})}, "response_format")
+        schema = spec.get("schema", {})
+        return ConstraintSpec({"json": close_objects(schema) if spec.get("strict") is True else schema},
+                              "response_format")
     raise APIError(400, f"response_format {kind!r} is not supported (text, json_object, json_schema)",
                    param="response_format")
 
@@ -95,8 +99,10 @@ class ConstraintCompiler:
     loop, nor the engine, nor (beyond those threads) other requests' compiles. Requests that
     send a constraint already compiling wait for that one compile."""
 
-    def __init__(self, grammars: GrammarCompiler, timeout_s: float, max_bytes: int, cache_size: int = 256) -> None:
+    def __init__(self, grammars: GrammarCompiler, timeout_s: float, max_bytes: int,
+                 number_limits: NumberLimits = NumberLimits(), cache_size: int = 256) -> None:
         self._grammars = grammars
+        self._number_limits = number_limits
         self._timeout_s = timeout_s
         self._max_bytes = max_bytes
         self._cache_size = cache_size
@@ -145,6 +151,7 @@ class ConstraintCompiler:
         fields = dict(spec.fields)
         if "choice" in fields:
             fields["choice"] = tuple(fields["choice"])
-        structured = StructuredOutput(**fields)
+        structured = StructuredOutput(**fields, number_digits=self._number_limits.digits,
+                                      exponent_digits=self._number_limits.exponent_digits)
         self._grammars.compile(structured)
         return structured

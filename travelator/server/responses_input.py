@@ -6,6 +6,7 @@ it renders through the chat template exactly as chat completions do), its tool p
 from __future__ import annotations
 
 from travelator.server.constraints import ConstraintSpec, single_constraint, structured_outputs_spec
+from travelator.strict_schema import close_objects
 from travelator.server.errors import APIError
 from travelator.server.protocol import (
     ChatMessage,
@@ -75,14 +76,15 @@ def tool_plan(req: ResponsesRequest, fmt: ToolCallFormat) -> ToolPlan | None:
 
 def text_format_spec(fmt: TextFormat | None) -> ConstraintSpec | None:
     """``text.format``: none for text, JSON mode, or the output matching ``schema`` (strict or
-    not: the output always matches it here)."""
+    not: the output always matches it here; a strict one is closed, strict_schema.py)."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return ConstraintSpec({"json_object": True}, "text.format")
     if fmt.schema_ is None:
         raise APIError(400, "text.format of type json_schema needs a 'schema' object", param="text.format.schema")
-    return ConstraintSpec({"json": fmt.schema_}, "text.format")
+    schema = close_objects(fmt.schema_) if fmt.strict is True else fmt.schema_
+    return ConstraintSpec({"json": schema}, "text.format")
 
 
 def constraint(req: ResponsesRequest, plan: ToolPlan | None) -> ConstraintSpec | None:

@@ -23,6 +23,7 @@ from travelator.engine.client import EngineClient, EngineDeadError, RequestSpec
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request as EngineRequest
 from travelator.errors import ContextLengthError, InvalidRequestError
+from travelator.json_grammar import NumberLimits
 from travelator.pooling_params import PoolingParams
 from travelator.sampling_params import SamplingParams
 from travelator.server.constraints import ConstraintCompiler
@@ -73,7 +74,8 @@ class OpenAIServing:
         self.on_shutdown: list[Callable[[], None]] = []  # run (on the event loop) when draining begins
         self.loop: asyncio.AbstractEventLoop | None = None
         self.constraints = ConstraintCompiler(self.model.grammars, settings.grammar_compile_timeout_s,
-                                              settings.max_constraint_bytes)
+                                              settings.max_constraint_bytes,
+                                              NumberLimits(settings.json_number_digits, settings.json_exponent_digits))
         self.preprocessor = Preprocessor()
         self.tool_call_format: ToolCallFormat = (
             detect_tool_call_format(self.tokenizer.chat_template) if settings.tool_call_parser == "auto"

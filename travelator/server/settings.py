@@ -63,6 +63,10 @@ class ServerSettings:
     # (docs/design.md, Structured outputs), so the size bound is what keeps a few huge schemas
     # from holding both compile threads for minutes.
     max_constraint_bytes: int = 256 << 10
+    # The longest number a JSON constraint lets a model write (json_grammar.NumberLimits):
+    # digits in its integer and fraction parts together, and in its exponent.
+    json_number_digits: int = 17
+    json_exponent_digits: int = 3
     # How tool calls are read out of a model's text with tool_choice "auto": "hermes"
     # (<tool_call>{...}</tool_call>), "llama3_json" ({"name": ..., "parameters": ...}), or
     # "auto": from the chat template (Hermes tags where it has them).
@@ -102,6 +106,8 @@ class ServerSettings:
             raise ValueError(f"step_timeout_s must be positive, got {self.step_timeout_s}")
         if self.max_constraint_bytes < 1024:
             raise ValueError(f"max_constraint_bytes must be at least 1024, got {self.max_constraint_bytes}")
+        if self.json_number_digits < 1 or self.json_exponent_digits < 1:
+            raise ValueError("json_number_digits and json_exponent_digits must be at least 1")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.tool_call_parser not in ("auto", "hermes", "llama3_json"):

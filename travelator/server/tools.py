@@ -32,6 +32,7 @@ from travelator.server.protocol import (
     NamedToolChoice,
     ToolCall,
 )
+from travelator.strict_schema import close_objects
 
 ToolCallFormat = Literal["hermes", "llama3_json"]
 TOOL_CALL_FORMATS: tuple[str, ...] = ("hermes", "llama3_json")
@@ -62,7 +63,7 @@ class ToolPlan:
 
     def forced_schema(self) -> dict[str, Any] | None:
         """The JSON schema the output must match ("required" and named choices), else None."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or _NO_ARGUMENTS for t in self.tools}
+        params = {t["function"]["name"]: _arguments_schema(t["function"]) for t in self.tools}
         if self.mode == "named":
             return params[self.named]
         if self.mode != "required":
@@ -79,6 +80,12 @@ class ToolPlan:
         if defs:
             array["$defs"] = defs
         return array
+
+
+def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameter schema; closed when the function is strict (strict_schema.py)."""
+    schema = function.get("parameters") or _NO_ARGUMENTS
+    return close_objects(schema) if function.get("strict") is True else schema
 
 
 def _lift_definitions(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
