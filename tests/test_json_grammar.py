@@ -205,6 +205,14 @@ def test_prefix_items():
     assert not any(accepts(TUPLE, t) for t in ("[]", '["a", "b"]', '["a", 1, 2, 3, 4]', "[1]"))
 
 
+def test_arrays_of_at_most_one_item():
+    """A forced single tool call is such an array: the repetition after the first item is gone."""
+    one = {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 1}
+    assert accepts(one, "[7]") and not any(accepts(one, t) for t in ("[]", "[7, 8]"))
+    tail = {"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "integer"}, "maxItems": 1}
+    assert accepts(tail, '["a"]') and accepts(tail, "[]") and not accepts(tail, '["a", 1]')
+
+
 def test_a_root_reference_keeps_its_meaning():
     chain = WALKED_ONLY[-1]
     assert accepts(chain, '{"v": 1, "next": {"v": 2, "next": null}}') and not accepts(chain, '{"v": 1, "next": 2}')

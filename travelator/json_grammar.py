@@ -200,14 +200,14 @@ class _Translator:
         sep = _lit(", ")
         if not prefix:
             item = self.expr(items)
-            body = f"{item} ({sep} {item}){{{max(low - 1, 0)},{'' if high is None else high - 1}}}"
+            body = f"{item} {_repeat(f'{sep} {item}', max(low - 1, 0), None if high is None else high - 1)}"
             return f"{_lit('[')} {body if low else f'({body})?'} {_lit(']')}"
         # From the last element back: the items after the prefix (each after a separator),
         # then the prefix's own, optional from index minItems on.
         after = ""
         if high is None or high > len(prefix):
-            rest = f"{{{max(low - len(prefix), 0)},{'' if high is None else high - len(prefix)}}}"
-            after = f"({sep} {self.expr(items)}){rest}"
+            after = _repeat(f"{sep} {self.expr(items)}", max(low - len(prefix), 0),
+                            None if high is None else high - len(prefix))
         for i in reversed(range(min(len(prefix), high or len(prefix)))):
             element = ("" if i == 0 else f"{sep} ") + f"{self.expr(prefix[i])} {after}"
             after = element if i < low else f"({element})?"
@@ -257,6 +257,14 @@ class _Translator:
         name = f"INT{len(self._rules)}"
         self._rules.append(f"{name}: {_regex(regex)}")
         return name
+
+
+def _repeat(body: str, low: int, high: int | None) -> str:
+    """``body`` from ``low`` to ``high`` times (None: no bound) in Lark; nothing for at most 0
+    (Lark refuses a range that ends at 0)."""
+    if high == 0:
+        return ""
+    return f"({body}){{{low},{'' if high is None else high}}}"
 
 
 def _lit(text: str) -> str:
