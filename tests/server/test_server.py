@@ -390,7 +390,7 @@ BAD_REQUESTS = [
     ("chat over-long", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "Once upon a time " * 600}]}, None, 400,
      "messages", "context_length_exceeded"),
-    ("no such route", "/v1/embeddings", {"model": MODEL, "input": "x"}, None, 404, None, None),
+    ("no such route", "/v1/images/generations", {"model": MODEL, "prompt": "x"}, None, 404, None, None),
 ]
 
 
