@@ -172,3 +172,25 @@ def test_killed_stage_fails_the_engine_fast():
     with pytest.raises(TensorParallelError, match="worker 1 died"):
         engine.step()
     llm.shutdown()
+
+
+def test_scores_match_and_embeddings_are_refused_under_pp():
+    """Scores read the last prompt row's logits, which the last stage sends back: one rank's
+    numbers. Embeddings need the final hidden states, which stay on the last stage: a 400 on
+    ``pooling`` before anything is queued."""
+    from travelator.errors import InvalidRequestError
+    from travelator.scoring import ScoreFormat
+
+    fmt = ScoreFormat("q: {query} d: {document} ->", ("a", "b"))
+    one = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8)
+    want = one.score("which", ["one text", "another"], score_format=fmt, use_tqdm=False)
+    llm = LLM("dummy:tiny", device="cpu", dtype="float32", max_num_batched_tokens=8, pipeline_parallel_size=2)
+    try:
+        got = llm.score("which", ["one text", "another"], score_format=fmt, use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="embeddings need pipeline_parallel_size 1") as err:
+            llm.embed([[1, 5, 6, 7]], use_tqdm=False)
+        assert err.value.param == "pooling"
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+    assert got == pytest.approx(want, abs=1e-5)
