@@ -283,10 +283,23 @@ class ParallelConfig:
     expert_parallel: Annotated[bool, Setting(
         "mixtures of experts under tensor parallelism: place whole experts on the ranks (expert e "
         "on rank e mod N) instead of splitting every expert's intermediate size over them")] = False
+    pipeline_parallel_size: Annotated[int, Setting(
+        "split the model's layers into N contiguous stages, one per rank (gloo point-to-point "
+        "between stages); launched like tensor parallelism", short_flag="-pp")] = 1
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be positive")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be positive")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not supported: set "
+                             "tensor_parallel_size or pipeline_parallel_size to 1")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the engine: one parallelism at a time, so the larger size."""
+        return max(self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
 @dataclass(slots=True)
@@ -301,5 +314,6 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
-        if self.scheduler.speculative_method is not None and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding runs on one rank for now (tensor_parallel_size 1)")
+        if self.scheduler.speculative_method is not None and self.parallel.world_size > 1:
+            raise ValueError("speculative decoding runs on one rank for now (tensor_parallel_size and "
+                             "pipeline_parallel_size 1)")

@@ -12,6 +12,7 @@ import torch
 
 from travelator.config import EngineConfig
 from travelator.engine.tp_executor import TensorParallelError, make_executor
+from travelator.errors import InvalidRequestError
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.block_manager import KVCacheManager, blocks_for
@@ -180,6 +181,10 @@ class LLMEngine:
 
     def make_request(self, spec: RequestSpec) -> Request:
         """Validate and tokenise (``RequestFactory.make_request``); changes no engine state."""
+        pooling = spec.params.pooling
+        if pooling is not None and pooling.task == "embed" and self.config.parallel.pipeline_parallel_size > 1:
+            # The final hidden states stay on the last stage; only sampled rows' logits come back.
+            raise InvalidRequestError("embeddings need pipeline_parallel_size 1", "pooling")
         return self.request_factory.make_request(spec)
 
     def enqueue(self, req: Request) -> None:

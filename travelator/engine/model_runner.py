@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from travelator.config import ModelConfig
+from travelator.model.pp_stage import PipelineStage
 from travelator.model.tp_group import TPGroup
 from travelator.engine.decode_graphs import DecodeGraphs, GraphCapture, bucket_sizes
 from travelator.engine.draft_model import DraftJob, DraftModel
@@ -53,7 +54,7 @@ class RunnerSettings:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, arch: ModelArch, weights: WeightIterator | None,
-                 settings: RunnerSettings, *, tp: TPGroup | None = None,
+                 settings: RunnerSettings, *, tp: TPGroup | None = None, stage: PipelineStage | None = None,
                  grammars: GrammarCompiler | None = None, draft: ModelSource | None = None) -> None:
         self.arch = arch
         device = settings.device
@@ -70,7 +71,9 @@ class ModelRunner:
         self.tp_size = tp.size if tp is not None else 1
         if tp is not None and config.batch_invariant:
             tp.fixed_order_sums = True
-        self.model = _load_model(config, arch, weights, settings, tp, self.ops)
+        self.model = _load_model(config, arch, weights, settings, tp, self.ops, stage)
+        # Pipeline parallelism: KV only for this stage's layers.
+        self.num_local_layers = len(self.model.local_layers)
         # Speculative decoding with a draft model: it proposes in this runner, with its own KV
         # cache over the same block ids.
         self.draft = DraftModel(draft, dtype=settings.dtype, kv_dtype=settings.kv_dtype, device=device,
@@ -83,7 +86,7 @@ class ModelRunner:
         # with the Triton attention, whose host-side launch decisions a graph can fix.
         self.graphs: DecodeGraphs | None = None
         self._record_graphs = (not config.enforce_eager and self.ops.attention_backend == "triton"
-                               and device.type == "cuda" and tp is None)
+                               and device.type == "cuda" and tp is None and stage is None)
         self.sampler = SamplingStage(self.model, self.ops, self.grammar, self.eos_token_ids)
         self.pooler = PoolingStage()
         # Seconds spent per phase, summed over the run (on CUDA, kernels are asynchronous:
@@ -97,7 +100,7 @@ class ModelRunner:
     def kv_bytes_per_block(self, block_size: int) -> int:
         a = self.arch
         draft = self.draft.kv_bytes_per_block(block_size) if self.draft is not None else 0
-        return block_size * kv_layout.bytes_per_token(a.num_layers, a.num_kv_heads // self.tp_size, a.head_dim,
+        return block_size * kv_layout.bytes_per_token(self.num_local_layers, a.num_kv_heads // self.tp_size, a.head_dim,
                                                      self.kv_dtype) + draft
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -107,7 +110,7 @@ class ModelRunner:
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(a.num_layers)
+            for _ in range(self.num_local_layers)
         ]
         self.batch.block_size = block_size
         if self.draft is not None:
@@ -238,7 +241,8 @@ class ModelRunner:
 
 
 def _load_model(config: ModelConfig, arch: ModelArch, weights: WeightIterator | None,
-                settings: RunnerSettings, tp: TPGroup | None, ops: TorchOps) -> LlamaModel:
+                settings: RunnerSettings, tp: TPGroup | None, ops: TorchOps,
+                stage: PipelineStage | None = None) -> LlamaModel:
     """The model (this rank's shard), on its device, its linear weights prepared for ``ops``."""
     method = None if config.quantization in ("auto", "none") else config.quantization
     device = settings.device
@@ -249,7 +253,7 @@ def _load_model(config: ModelConfig, arch: ModelArch, weights: WeightIterator | 
         model = LlamaModel(arch, settings.dtype, max_positions=settings.max_model_len, tp=tp, ops=ops,
                            quantization=method, group_size=config.quantization_group_size,
                            keep_gguf_quants=config.quantization == "auto" and device.type == "cpu",
-                           lm_head_quantization=config.lm_head_quantization)
+                           lm_head_quantization=config.lm_head_quantization, stage=stage)
     if weights is None:
         model.init_dummy_weights(config.seed)
     else:

@@ -37,9 +37,10 @@ from travelator.engine.model_runner import ModelRunner, RunnerSettings
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.engine.tp_launch import SECRET_ENV, LaunchEnv, connect_store, control_secret, host_store, launch_env
 from travelator.engine.tp_protocol import CALLS, STOP, TPWorkerSpec, decode_result, encode_call, encode_result, encode_spec
-from travelator.engine.tp_worker import Worker, check_gpu_for_rank, rank_device, run_worker
+from travelator.engine.tp_worker import Worker, build_runner, check_gpu_for_rank, rank_device, run_worker
 from travelator.model.arch import ModelArch
 from travelator.model.loader import ModelSource, WeightIterator
+from travelator.model.pp_stage import stage_bounds
 from travelator.model.tp_group import TPGroup, check_divisible
 
 logger = logging.getLogger(__name__)
@@ -59,18 +60,24 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
     becomes a worker here and never returns: it serves the driver's steps and then
     exits the process.
     """
-    size = parallel.tensor_parallel_size
+    size = parallel.world_size
+    pipeline = parallel.pipeline_parallel_size > 1
     env = launch_env()
     if env is None and size == 1:
         return ModelRunner(model, arch, weights, settings, grammars=grammars, draft=draft)
-    check_divisible(arch, size, parallel.expert_parallel)
+    if pipeline:
+        stage_bounds(arch.num_layers, size, 0)  # every stage gets a layer: refused before any launch
+    else:
+        check_divisible(arch, size, parallel.expert_parallel)
     if env is not None and env.world_size != size:
-        raise ValueError(f"launched with WORLD_SIZE={env.world_size} but tensor_parallel_size "
-                         f"is {size}: pass --tensor-parallel-size {env.world_size}")
+        flag = "--pipeline-parallel-size" if pipeline else "--tensor-parallel-size"
+        raise ValueError(f"launched with WORLD_SIZE={env.world_size} but the engine has {size} "
+                         f"ranks: pass {flag} {env.world_size}")
     if env is not None and env.rank != 0:
         run_worker(env)
         raise SystemExit(0)
-    return TPExecutor(TPWorkerSpec(model, settings, parallel.expert_parallel), arch, weights, size, env, grammars)
+    return TPExecutor(TPWorkerSpec(model, settings, parallel.expert_parallel, pipeline), arch, weights, size, env,
+                      grammars)
 
 
 class _Group:
@@ -160,7 +167,8 @@ class TPExecutor:
         group.broadcast_bytes(encode_spec(spec))
         device = rank_device(spec.device_type, local_rank)
         self._watched(lambda: group.connect_data(device))
-        self.runner = ModelRunner(spec.model, arch, weights, spec.on(device), tp=group, grammars=self._grammars)
+        self.runner = build_runner(spec, arch, weights, device, group, self._grammars)
+        self._what = "pipeline parallel over {} stages" if spec.pipeline else "tensor parallel over {} ranks"
         self.worker = Worker(self.runner)
         if device.type == "cuda" and self._g.procs:
             threading.Thread(target=self._watch_workers, name="travelator-tp-watch",
@@ -259,7 +267,7 @@ class TPExecutor:
         self.call("allocate_kv_cache", num_blocks, block_size)
 
     def describe(self) -> str:
-        return f"{self.runner.describe()}; tensor parallel over {self.size} ranks"
+        return f"{self.runner.describe()}; {self._what.format(self.size)}"
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         with self._g.lock:

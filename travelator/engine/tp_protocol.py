@@ -31,6 +31,7 @@ class TPWorkerSpec:
     model: ModelConfig
     settings: RunnerSettings  # the driver's: each rank runs on its own device of this type
     expert_parallel: bool = False  # ParallelConfig's
+    pipeline: bool = False  # the group's ranks are pipeline stages, not tensor-parallel shards
 
     @property
     def device_type(self) -> str:

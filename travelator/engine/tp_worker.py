@@ -26,8 +26,12 @@ import torch
 from travelator.engine.control_codec import RefusedMessage
 from travelator.engine.model_runner import ModelRunner
 from travelator.engine.scheduler_output import SchedulerOutput
+from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.tp_launch import LaunchEnv, connect_store, control_secret, launch_env
-from travelator.engine.tp_protocol import CALLS, STOP, decode_call, decode_spec, encode_result
+from travelator.engine.tp_protocol import CALLS, STOP, TPWorkerSpec, decode_call, decode_spec, encode_result
+from travelator.model.arch import ModelArch
+from travelator.model.loader import WeightIterator
+from travelator.model.pp_stage import PipelineStage
 from travelator.model.tp_auth import ControlAuthError
 from travelator.model.tp_group import TPGroup
 
@@ -50,6 +54,15 @@ def rank_device(device_type: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device(device_type)
+
+
+def build_runner(spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None, device: torch.device,
+                 group: TPGroup, grammars: GrammarCompiler | None = None) -> ModelRunner:
+    """This rank's runner: its tensor-parallel shard, or its pipeline stage's layers."""
+    if spec.pipeline:
+        return ModelRunner(spec.model, arch, weights, spec.on(device),
+                           stage=PipelineStage.of(group, arch.num_layers), grammars=grammars)
+    return ModelRunner(spec.model, arch, weights, spec.on(device), tp=group, grammars=grammars)
 
 
 class Worker:
@@ -121,8 +134,7 @@ def run_worker(env: LaunchEnv | None = None) -> None:
     from travelator.model.loader import open_model
 
     source = open_model(spec.model.model, spec.model.load_format)
-    runner = ModelRunner(spec.model, source.arch, source.weights, spec.on(device), tp=group)
-    worker = Worker(runner)
+    worker = Worker(build_runner(spec, source.arch, source.weights, device, group))
     while True:
         method, args = decode_call(group.broadcast_bytes())
         if method == STOP:

@@ -5,7 +5,7 @@ in Python between the kernels: module calls, views and ``torch.ops`` argument pa
 order from C++ (the same bits as the Python layers, which tests check), for steps where the
 Python path would send every linear layer to a streaming kernel: bf16 weights through
 ``small_m_linear`` (no bias) or ``blocked_linear``, int8/int4 through the integer kernel, at most
-``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py). Anything else (more rows, tensor parallelism, the torch
+``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py). Anything else (more rows, tensor or pipeline parallelism, the torch
 kernels, attention's torch backend, a KV cache of another dtype) runs the Python layers.
 """
 
@@ -53,7 +53,7 @@ class LayerStack:
     def of(model) -> LayerStack | None:
         """The stack of a LlamaModel, or None where its layers cannot run natively."""
         ops = model.ops
-        if model.tp is not None or model.dtype not in (torch.bfloat16, torch.float32):
+        if model.tp is not None or model.stage is not None or model.dtype not in (torch.bfloat16, torch.float32):
             return None
         arch = model.arch
         if arch.family in STACKLESS_FAMILIES or arch.attention_sinks or arch.output_bias or arch.expert_bias:

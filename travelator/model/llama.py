@@ -31,14 +31,16 @@ from travelator.model.attention import AttentionMetadata
 from travelator.model.blocks import MLP, Attention, param
 from travelator.model.gemma3 import Gemma3DecoderLayer
 from travelator.model.layer_stack import LayerStack
-from travelator.model.layers import RMSNorm, RotaryEmbedding, Shard
+from travelator.model.layers import RMSNorm, RotaryEmbedding
 from travelator.model.model_file_error import ModelFileError
 from travelator.model.moe import SparseMoE
 from travelator.model.stacked_experts import StackedExperts
 from travelator.model.ops import TorchOps
 from travelator.model.quant import BlockQuantized, QuantizedBuilder, QuantizedWeight, QuantMethod, quantize
 from travelator.model.quant_policy import QuantPolicy
+from travelator.model.pp_stage import PipelineStage
 from travelator.model.tp_group import TPGroup, check_divisible
+from travelator.model.weight_layout import LAYER_TENSORS, MODEL_TENSORS, expert_target, parameter_layout
 
 
 class DecoderLayer(nn.Module):
@@ -76,7 +78,8 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int,
                  tp: TPGroup | None = None, ops: TorchOps | None = None,
                  quantization: QuantMethod | None = None, group_size: int = 128,
-                 keep_gguf_quants: bool = True, lm_head_quantization: str = "auto") -> None:
+                 keep_gguf_quants: bool = True, lm_head_quantization: str = "auto",
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.ops = ops if ops is not None else TorchOps()
         # Weight-only quantization (which layers, how: quant_policy.py): each quantized weight is
@@ -90,14 +93,22 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.tp = tp
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
-        self.shards, self.full_shapes = _layout(arch, tp if tp is not None and tp.expert_parallel else None)
+        self.shards, self.full_shapes = parameter_layout(arch, tp if tp is not None and tp.expert_parallel else None)
         vocab = self.shards["embed"].local_shape(self.full_shapes["embed"], self.tp_size)[0]
         self.vocab_start = self.tp_rank * vocab  # this rank's slice of the vocabulary
-        self.embed = param(vocab, arch.hidden_size, dtype=dtype)
-        layer_class = LAYERS.get(arch.family, DecoderLayer)
-        self.layers = nn.ModuleList(layer_class(arch, dtype, self.ops, i, tp) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, unit_offset=arch.norm_unit_offset)
-        self.lm_head = None if arch.tie_word_embeddings else param(vocab, arch.hidden_size, dtype=dtype)
+        # Pipeline parallelism: this stage's layers only (others are placeholders, so that layer i
+        # keeps its name), the embedding on the first stage, the norm and the head on the last.
+        self.stage = stage
+        self.local_layers = range(0, arch.num_layers) if stage is None else range(stage.start, stage.end)
+        self.holds_head = stage is None or stage.is_last
+        tied = arch.tie_word_embeddings
+        holds_embed = stage is None or stage.holds_embedding(tied)
+        self.embed = param(vocab, arch.hidden_size, dtype=dtype) if holds_embed else None
+        self.layers = nn.ModuleList(self._layer(i, tp) if i in self.local_layers else nn.Identity()
+                                    for i in range(arch.num_layers))
+        self.norm = (RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, unit_offset=arch.norm_unit_offset)
+                     if self.holds_head else None)
+        self.lm_head = param(vocab, arch.hidden_size, dtype=dtype) if self.holds_head and not tied else None
         self.rope = RotaryEmbedding(arch.rotary_size, max_positions, arch.rope_theta, arch.rope_scaling)
         # Gemma 3: sliding layers turn by their own base, without the model's rope scaling.
         local = (RotaryEmbedding(arch.rotary_size, max_positions, arch.local_rope_theta, None)
@@ -108,6 +119,9 @@ class LlamaModel(nn.Module):
         self.use_layer_stack = True
         self._layer_stack: LayerStack | None = None  # gathered at the first forward: weights are final then
         self._layer_stack_gathered = False
+
+    def _layer(self, i: int, tp: TPGroup | None) -> nn.Module:
+        return LAYERS.get(self.arch.family, DecoderLayer)(self.arch, self.dtype, self.ops, i, tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -127,8 +141,8 @@ class LlamaModel(nn.Module):
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights that go through ``ops.linear`` (the ops may pre-pack them)."""
-        mats = [self.lm_head_weight]
-        for layer in self.layers:
+        mats = [self.lm_head_weight] if self.holds_head else []
+        for layer in (self.layers[i] for i in self.local_layers):
             mats += [layer.self_attn.qkv_weight, layer.self_attn.o_weight]
             if isinstance(layer.mlp, SparseMoE):
                 mats.append(layer.mlp.router_weight)
@@ -145,12 +159,19 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x, delta = self._embed(input_ids), None
+        stage = self.stage
+        if stage is None or stage.is_first:
+            x, delta = self._embed(input_ids), None
+        else:
+            x, delta = stage.receive_hidden(input_ids.shape[0], self.arch.hidden_size, self.dtype)
         stack = self._native_layer_stack()
         if stack is not None and stack.covers(self.ops, x.shape[0], meta, kv_caches):
             return stack(self.ops, x, positions, self.rope, kv_caches, meta)
-        for layer, rope, (k_cache, v_cache) in zip(self.layers, self.rope_of_layer, kv_caches):
-            x, delta = layer(x, delta, positions, rope, k_cache, v_cache, meta)
+        for i, (k_cache, v_cache) in zip(self.local_layers, kv_caches):  # the caches of this stage's layers
+            x, delta = self.layers[i](x, delta, positions, self.rope_of_layer[i], k_cache, v_cache, meta)
+        if not self.holds_head:
+            stage.send_hidden(x, delta)
+            return x  # rows of the right shape only: the last stage computes the logits
         return self.ops.add_rms_norm(x, delta, self.norm)[1]
 
     def _native_layer_stack(self) -> LayerStack | None:
@@ -177,7 +198,11 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits in the model's dtype (the sampler widens them to float32
         when it needs more than a greedy pick); with tensor parallelism on the driver only
-        (the other ranks send their slice and get None)."""
+        (the other ranks send their slice and get None). Pipeline parallel: the last stage
+        computes them and sends them to the driver, which receives them for its ``hidden`` rows."""
+        stage = self.stage
+        if stage is not None and not stage.is_last:
+            return stage.receive_logits(hidden.shape[0], self.arch.vocab_size, self.dtype) if stage.is_first else None
         logits = self.ops.linear(hidden, self.lm_head_weight)
         if self.tp is not None:
             full = self.tp.gather(logits, dim=-1)
@@ -185,6 +210,9 @@ class LlamaModel(nn.Module):
         cap = self.arch.final_logit_softcapping
         if cap is not None and logits is not None:
             logits = torch.tanh(logits / cap) * cap
+        if stage is not None:
+            stage.send_logits(logits)
+            return None
         return logits
 
     # ---- weights --------------------------------------------------------------
@@ -207,7 +235,7 @@ class LlamaModel(nn.Module):
                 mapped = self._checkpoint_target(name)
             except KeyError:
                 raise ModelFileError(source, f"tensor {name}", "is not a tensor of this model") from None
-            if mapped is None:
+            if mapped is None or self._held_elsewhere(mapped[0]):
                 continue
             target, part = mapped
             if target not in params:
@@ -223,6 +251,16 @@ class LlamaModel(nn.Module):
         missing = set(params) - written
         if missing:
             raise ModelFileError(source, None, f"tensors are missing: {sorted(missing)[:5]}")
+
+    def _held_elsewhere(self, target: str) -> bool:
+        """Whether parameter ``target`` belongs to another pipeline stage."""
+        if self.stage is None:
+            return False
+        if target.startswith("layers."):
+            return not self.stage.holds_layer(int(target.split(".")[1]))
+        if target == "embed":
+            return self.embed is None
+        return not self.holds_head  # the final norm and the LM head
 
     def _load_tensor(self, name: str, tensor: torch.Tensor | BlockQuantized, target: str, part: int | None,
                      param: torch.Tensor, earlier_parts: int, builders: dict[str, QuantizedBuilder],
@@ -274,14 +312,14 @@ class LlamaModel(nn.Module):
             return None  # recomputed
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: some checkpoints store the copy anyway
-        if name in _MODEL_TENSORS:
-            return _MODEL_TENSORS[name], None
+        if name in MODEL_TENSORS:
+            return MODEL_TENSORS[name], None
         if name.startswith("layers.") and name.count(".") >= 2:
             _, idx, rest = name.split(".", 2)
-            if rest in _LAYER_TENSORS:
-                field, part = _LAYER_TENSORS[rest]
+            if rest in LAYER_TENSORS:
+                field, part = LAYER_TENSORS[rest]
                 return f"layers.{idx}.{field}", part
-            expert = _expert_target(rest)
+            expert = expert_target(rest)
             if expert is not None:
                 return f"layers.{idx}.{expert[0]}", expert[1]
         raise KeyError(name)
@@ -290,19 +328,23 @@ class LlamaModel(nn.Module):
         """Random weights with a realistic scale, for benchmarks without a download.
 
         Each parameter is drawn whole, in order, from one generator, then cut to this
-        rank's shard: every tensor-parallel size gives the same model as one rank. They are
-        drawn where the model lives (an accelerator draws billions in moments; its stream
-        differs from the CPU's).
+        rank's shard: every tensor-parallel size gives the same model as one rank. A pipeline
+        stage draws the other stages' parameters too, and drops them. They are drawn where the
+        model lives (an accelerator draws billions in moments; its stream differs from the CPU's).
         """
-        device = self.embed.device if self.embed.device.type == "cuda" else torch.device("cpu")
+        params = dict(self.named_parameters())
+        device = next(iter(params.values())).device  # the embedding's, where the stage holds it
+        device = device if device.type == "cuda" else torch.device("cpu")
         g = torch.Generator(device=device).manual_seed(seed)
-        for name, p in list(self.named_parameters()):
+        for name in self._parameter_order():
+            p = params.get(name)
             if name.endswith("norm.weight"):
-                p.data.fill_(0.0 if self.arch.norm_unit_offset else 1.0)  # a scale of 1 either way
+                if p is not None:
+                    p.data.fill_(0.0 if self.arch.norm_unit_offset else 1.0)  # a scale of 1 either way
                 continue
             full = torch.randn(self.full_shapes[name], generator=g, device=device) * 0.02
-            if not self.shards[name].held_by(self.tp_rank):
-                continue  # another rank's expert: drawn all the same, so the stream stays one rank's
+            if p is None or not self.shards[name].held_by(self.tp_rank):
+                continue  # another stage's, or another rank's expert: drawn all the same
             shard = self.shards[name].shard(full, self.tp_rank, self.tp_size)
             fmt = self.quant_policy.for_random(name, tuple(shard.shape))
             if fmt is not None:
@@ -310,129 +352,16 @@ class LlamaModel(nn.Module):
             else:
                 p.data.copy_(shard)
 
-
-# HF checkpoint names (without "model.") -> our parameters. Within a layer, q/k/v and gate/up
-# are fused: the second element is the index of the part a tensor fills.
-_MODEL_TENSORS = {
-    "embed_tokens.weight": "embed",
-    "norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head",
-}
-_LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
-    "input_layernorm.weight": ("input_norm.weight", None),
-    "self_attn.qkv_proj.weight": ("self_attn.qkv_weight", None),  # Phi-3: fused in the checkpoint
-    "self_attn.q_proj.weight": ("self_attn.qkv_weight", 0),
-    "self_attn.k_proj.weight": ("self_attn.qkv_weight", 1),
-    "self_attn.v_proj.weight": ("self_attn.qkv_weight", 2),
-    "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
-    "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
-    "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
-    "self_attn.o_proj.weight": ("self_attn.o_weight", None),
-    "self_attn.o_proj.bias": ("self_attn.o_bias", None),  # gpt-oss
-    "self_attn.sinks": ("self_attn.sinks", None),  # gpt-oss
-    "self_attn.sinks.weight": ("self_attn.sinks", None),  # gpt-oss's GGUF
-    "self_attn.q_norm.weight": ("self_attn.q_norm.weight", None),
-    "self_attn.k_norm.weight": ("self_attn.k_norm.weight", None),
-    "post_attention_layernorm.weight": ("post_attn_norm.weight", None),  # Gemma 3: on attention's output
-    "pre_feedforward_layernorm.weight": ("pre_mlp_norm.weight", None),  # Gemma 3
-    "post_feedforward_layernorm.weight": ("post_mlp_norm.weight", None),  # Gemma 3
-    "mlp.gate_up_proj.weight": ("mlp.gate_up_weight", None),  # Phi-3: gate, then up
-    "mlp.gate_proj.weight": ("mlp.gate_up_weight", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up_weight", 1),
-    "mlp.down_proj.weight": ("mlp.down_weight", None),
-}
-
-# A mixture's tensors (Qwen3-MoE's names under mlp., Mixtral's under block_sparse_moe.): the
-# router, and per expert its gate, up and down projections.
-_MOE_ROUTERS = {"mlp.gate.weight": "mlp.router_weight", "block_sparse_moe.gate.weight": "mlp.router_weight",
-                "mlp.router.weight": "mlp.router_weight", "mlp.router.bias": "mlp.router_bias",  # gpt-oss: router.
-                "mlp.gate.bias": "mlp.router_bias"}  # gpt-oss's GGUF
-_EXPERT_TENSORS: dict[str, tuple[str, int | None]] = {
-    "gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gate_up_weight", 1),
-    "down_proj.weight": ("down_weight", None),
-    "gate_proj.bias": ("gate_up_bias", 0), "up_proj.bias": ("gate_up_bias", 1), "down_proj.bias": ("down_bias", None),
-    "w1.weight": ("gate_up_weight", 0), "w3.weight": ("gate_up_weight", 1), "w2.weight": ("down_weight", None),
-}
-
-
-def _expert_target(rest: str) -> tuple[str, int | None] | None:
-    """(parameter within the layer, fused part) of a mixture's tensor name, or None."""
-    if rest in _MOE_ROUTERS:
-        return _MOE_ROUTERS[rest], None
-    prefix, _, tail = rest.partition(".experts.")
-    if prefix not in ("mlp", "block_sparse_moe") or not tail:
-        return None
-    expert, _, tensor = tail.partition(".")
-    if not expert.isdigit() or tensor not in _EXPERT_TENSORS:
-        return None
-    field, part = _EXPERT_TENSORS[tensor]
-    return f"mlp.experts.{int(expert)}.{field}", part
-
-
-def _layout(arch: ModelArch, placed: TPGroup | None = None) -> tuple[dict[str, Shard], dict[str, tuple[int, ...]]]:
-    """Every parameter's full (one-rank) shape and how it is split over ranks; ``placed``: the
-    group whose ranks hold whole experts (expert parallelism)."""
-    h, v = arch.hidden_size, arch.vocab_size
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    inter = arch.intermediate_size
-    replicated = Shard()
-    vocab = Shard(0, (v,))
-    shards = {"embed": vocab, "norm.weight": replicated, "lm_head": vocab}
-    shapes = {"embed": (v, h), "norm.weight": (h,), "lm_head": (v, h)}
-    for i in range(arch.num_layers):
-        p = f"layers.{i}."
-        shards |= {
-            p + "input_norm.weight": replicated,
-            p + "self_attn.qkv_weight": Shard(0, (q, kv, kv)),  # column-parallel: own heads
-            p + "self_attn.qkv_bias": Shard(0, (q, kv, kv)),
-            p + "self_attn.o_weight": Shard(1, (q,)),  # row-parallel, then all-reduce
-            p + "self_attn.q_norm.weight": replicated,  # over head_dim: the same on every rank
-            p + "self_attn.k_norm.weight": replicated,
-            p + "post_attn_norm.weight": replicated,
-            p + "pre_mlp_norm.weight": replicated,
-            p + "post_mlp_norm.weight": replicated,
-            p + "mlp.gate_up_weight": Shard(0, (inter, inter)),
-            p + "mlp.down_weight": Shard(1, (inter,)),
-        }
-        shapes |= {
-            p + "input_norm.weight": (h,),
-            p + "self_attn.qkv_weight": (q + 2 * kv, h),
-            p + "self_attn.qkv_bias": (q + 2 * kv,),
-            p + "self_attn.o_weight": (h, q),
-            p + "self_attn.q_norm.weight": (arch.head_dim,),
-            p + "self_attn.k_norm.weight": (arch.head_dim,),
-            p + "post_attn_norm.weight": (h,),
-            p + "pre_mlp_norm.weight": (h,),
-            p + "post_mlp_norm.weight": (h,),
-            p + "mlp.gate_up_weight": (2 * inter, h),
-            p + "mlp.down_weight": (h, inter),
-        }
-        if arch.output_bias:
-            shards[p + "self_attn.o_bias"], shapes[p + "self_attn.o_bias"] = replicated, (h,)  # added on rank 0
-        if arch.attention_sinks:
-            shards[p + "self_attn.sinks"] = Shard(0, (arch.num_heads,))  # each rank its heads'
-            shapes[p + "self_attn.sinks"] = (arch.num_heads,)
-        if arch.is_moe_layer(i):
-            _moe_layout(arch, p, shards, shapes, placed)
-    return shards, shapes
-
-
-def _moe_layout(arch: ModelArch, p: str, shards: dict[str, Shard], shapes: dict[str, tuple[int, ...]],
-                placed: TPGroup | None) -> None:
-    """A mixture layer's parameters: the router replicated, each expert split as the MLP is, or
-    (``placed``) whole on its rank."""
-    h, inter = arch.hidden_size, arch.expert_intermediate_size
-    shards[p + "mlp.router_weight"], shapes[p + "mlp.router_weight"] = Shard(), (arch.num_experts, h)
-    shards[p + "mlp.router_bias"], shapes[p + "mlp.router_bias"] = Shard(), (arch.num_experts,)
-    for e in range(arch.num_experts):
-        q = f"{p}mlp.experts.{e}."
-        if placed is not None:
-            owner = placed.expert_rank(e)
-            shards[q + "gate_up_weight"] = shards[q + "gate_up_bias"] = Shard(0, (inter, inter), owner)
-            shards[q + "down_weight"] = shards[q + "down_bias"] = Shard(owner=owner)
-        else:
-            shards[q + "gate_up_weight"] = shards[q + "gate_up_bias"] = Shard(0, (inter, inter))
-            shards[q + "down_weight"] = Shard(1, (inter,))
-            shards[q + "down_bias"] = Shard()  # added on rank 0
-        shapes[q + "gate_up_weight"], shapes[q + "gate_up_bias"] = (2 * inter, h), (2 * inter,)
-        shapes[q + "down_weight"], shapes[q + "down_bias"] = (h, inter), (h,)
+    def _parameter_order(self) -> list[str]:
+        """The names of one rank's parameters in the order it registers them (the dummy
+        weights' draw order); a pipeline stage builds the layers it does not hold on the meta
+        device to learn theirs."""
+        if self.stage is None:
+            return [name for name, _ in self.named_parameters()]
+        names = ["embed"] + ([] if self.arch.tie_word_embeddings else ["lm_head"])  # the model's own first
+        for i, layer in enumerate(self.layers):
+            if i not in self.local_layers:
+                with torch.device("meta"):
+                    layer = self._layer(i, None)
+            names += [f"layers.{i}.{name}" for name, _ in layer.named_parameters()]
+        return names + ["norm.weight"]
