@@ -47,19 +47,27 @@ class CostModel(Protocol):
     def step_seconds(self, shape: StepShape) -> float: ...
 
 
-FEATURES = ("intercept", "prefill_tokens", "decode_tokens", "decode_context", "prefill_pairs")
+FEATURES = ("intercept", "large_step", "prefill_tokens", "decode_tokens", "decode_context", "prefill_pairs")
+# Row counts above which a step may take another kernel path (``large_step``): the fit keeps the
+# one that explains the steps best (a CPU streams the weights of a few-row step, and multiplies
+# larger ones through a GEMM that reads a wider copy).
+LARGE_STEP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def feature_row(shape: StepShape) -> list[float]:
-    return [1.0, shape.prefill_tokens, shape.decode_tokens, shape.decode_context, shape.prefill_pairs]
+def feature_row(shape: StepShape, large_step_rows: int | None) -> list[float]:
+    rows = shape.prefill_tokens + shape.decode_tokens
+    large = float(large_step_rows is not None and rows > large_step_rows)
+    return [1.0, large, shape.prefill_tokens, shape.decode_tokens, shape.decode_context, shape.prefill_pairs]
 
 
 @dataclass(slots=True)
 class LinearCostModel:
-    """Seconds per step = intercept + a cost per prefill token, per decode token, per key a
-    decode reads and per causal pair a prefill chunk computes."""
+    """Seconds per step = intercept (+ ``large_step`` for steps of more than
+    ``large_step_rows`` rows) + a cost per prefill token, per decode token, per key a decode
+    reads and per causal pair a prefill chunk computes."""
 
     coefficients: dict[str, float]
+    large_step_rows: int | None = None
     info: dict = field(default_factory=dict)  # where it came from: model, machine, fit error
 
     def __post_init__(self) -> None:
@@ -72,19 +80,20 @@ class LinearCostModel:
         return cls({"intercept": seconds})
 
     def step_seconds(self, shape: StepShape) -> float:
-        row = feature_row(shape)
+        row = feature_row(shape, self.large_step_rows)
         return sum(self.coefficients.get(name, 0.0) * x for name, x in zip(FEATURES, row))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": "linear", "coefficients": self.coefficients,
-                                          "info": self.info}, indent=1))
+                                          "large_step_rows": self.large_step_rows, "info": self.info},
+                                         indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> LinearCostModel:
         data = json.loads(Path(path).read_text())
         if data.get("kind") != "linear":
             raise ValueError(f"{path}: not a fitted step-cost model (kind {data.get('kind')!r})")
-        return cls(dict(data["coefficients"]), dict(data.get("info", {})))
+        return cls(dict(data["coefficients"]), data.get("large_step_rows"), dict(data.get("info", {})))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,23 +103,31 @@ class ProfiledStep:
 
 
 def fit_linear(steps: list[ProfiledStep]) -> LinearCostModel:
-    """Least squares over the features, keeping every coefficient non-negative: a feature
-    whose best weight comes out negative (noise, or collinear with another) is dropped and
-    the rest refitted, so that more work never costs less time."""
-    if len(steps) < len(FEATURES):
-        raise ValueError(f"fitting needs at least {len(FEATURES)} profiled steps, got {len(steps)}")
-    x = np.array([feature_row(s.shape) for s in steps])
+    """Least squares over the features, each step weighted by 1 / its time (relative error is
+    what matters), for each candidate ``large_step_rows``; the best fit wins."""
+    if len(steps) < 2 * len(FEATURES):
+        raise ValueError(f"fitting needs at least {2 * len(FEATURES)} profiled steps, got {len(steps)}")
     y = np.array([s.seconds for s in steps])
-    # Relative error is what matters: weight each step by 1 / its time.
+    fits = [_fit_nonnegative(np.array([feature_row(s.shape, t) for s in steps]), y, t)
+            for t in (None, *LARGE_STEP_CANDIDATES)]
+    return min(fits, key=lambda f: f[1])[0]
+
+
+def _fit_nonnegative(x: np.ndarray, y: np.ndarray, large_step_rows: int | None) -> tuple[LinearCostModel, float]:
+    """Keeping every coefficient non-negative (more work never costs less time): a feature whose
+    best weight comes out negative is dropped and the rest refitted. Returns the model and its
+    weighted residual."""
     w = 1.0 / np.maximum(y, 1e-9)
-    active = list(range(len(FEATURES)))
+    active = [a for a in range(len(FEATURES)) if np.any(x[:, a])]
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         negative = [a for a, c in zip(active, coef) if c < 0 and a != 0]
         if not negative:
             break
         active.remove(min(negative, key=lambda a: coef[active.index(a)]))
-    return LinearCostModel({FEATURES[a]: float(max(c, 0.0)) for a, c in zip(active, coef)})
+    residual = float(np.sum(((x[:, active] @ coef - y) * w) ** 2))
+    model = LinearCostModel({FEATURES[a]: float(max(c, 0.0)) for a, c in zip(active, coef)}, large_step_rows)
+    return model, residual
 
 
 def relative_errors(model: CostModel, steps: list[ProfiledStep]) -> np.ndarray:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from dataclasses import astuple
 
 import numpy as np
 
@@ -72,9 +73,12 @@ def fit_from_engine(args: argparse.Namespace) -> tuple[LinearCostModel, str]:
     steps = profile_engine(engine, args.profile_seconds)
     model, check = fit_and_check(steps)
     model.info = {"model": model_name, "engine": engine.summary, "machine": platform.processor() or platform.machine(),
-                  "node": platform.node(), **check}
+                  "node": platform.node(), **check,
+                  # The measurements themselves, so that a later fit can be checked against them.
+                  "profile": [[*astuple(s.shape), s.seconds] for s in steps]}
     coef = ", ".join(f"{k} {v:.3g}" for k, v in model.coefficients.items())
-    report = (f"fitted on {len(steps)} steps: {coef} (seconds per unit)\n"
+    report = (f"fitted on {len(steps)} steps: {coef} (seconds per unit; large steps: more than "
+              f"{model.large_step_rows} rows)\n"
               f"held-out steps: median error {check['held_out_median_rel_error']:.1%}, p90 "
               f"{check['held_out_p90_rel_error']:.1%}, total time {check['held_out_total_time_rel_error']:+.1%}")
     return model, report
