@@ -99,10 +99,23 @@ def test_the_fit_recovers_known_coefficients_and_the_kernel_switch():
 
 
 def test_saved_and_loaded_models_predict_alike(tmp_path):
-    model = LinearCostModel({"intercept": 0.01, "decode_tokens": 0.001}, 4, {"model": "m"})
+    model = LinearCostModel({"intercept": 0.01, "large_step": 0.005, "decode_tokens": 0.001}, 4, {"model": "m"})
     model.save(tmp_path / "c.json")
     again = LinearCostModel.load(tmp_path / "c.json")
     shape = StepShape(decode_tokens=8, num_requests=8)
-    assert again.step_seconds(shape) == model.step_seconds(shape) == pytest.approx(0.018)
+    assert again.step_seconds(shape) == model.step_seconds(shape) == pytest.approx(0.023)  # 8 rows > 4
+    small = StepShape(decode_tokens=4, num_requests=4)
+    assert again.step_seconds(small) == pytest.approx(0.014)
     with pytest.raises(ValueError, match="unknown cost features"):
         LinearCostModel({"flops": 1.0})
+
+
+def test_all_reduce_time_is_a_ring_over_the_link():
+    # Arithmetic and memory free, a link of 1e9 bytes/s: a step costs its two all-reduces per
+    # layer, each 2 (tp - 1) / tp of the activations (8 rows x 4 numbers x 2 bytes = 64 bytes):
+    # TP=4: 2 x 1.5 x 64 = 192 ns.
+    link = Hardware("link", peak_flops=1e30, memory_bandwidth=1e30, memory_bytes=1e6, interconnect_bandwidth=1e9)
+    step = StepShape(decode_tokens=8, decode_context=64, num_requests=8)
+    assert RooflineCostModel(TINY, link, tensor_parallel=4).step_seconds(step) == pytest.approx(192e-9)
+    # Pipeline stages: one send of the activations between each pair (64 bytes, 64 ns).
+    assert RooflineCostModel(TINY, link, pipeline_parallel=3).step_seconds(step) == pytest.approx(128e-9)
