@@ -99,3 +99,20 @@ def test_a_small_pool_preempts_and_every_request_still_finishes():
 def test_a_request_larger_than_the_pool_is_refused():
     with pytest.raises(ValueError, match="more than the pool"):
         simulate(workload((60, 8)), [0.0], blocks=16)
+
+
+def test_speculative_decoding_at_a_given_acceptance():
+    # Four drafts a step, every one accepted: a 40-token output is the prompt's step (token 1)
+    # and then 5 tokens a step: 8 more steps of 10 ms. None accepted: one token a step.
+    wl = workload((16, 40))
+    spec = dict(speculative_method="draft", draft_model="simulated", num_speculative_tokens=4,
+                speculative_policy="fixed")
+    runs = {}
+    for acceptance in (1.0, 0.0):
+        setup = SimSetup(SchedulerConfig(**spec), CacheConfig(block_size=4), 64, draft_acceptance=acceptance)
+        runs[acceptance] = Simulation(setup, LinearCostModel.constant(0.010)).run(wl, [0.0])
+    every, none = runs[1.0].results[0], runs[0.0].results[0]
+    assert every.output_len == none.output_len == 40
+    assert every.e2e == pytest.approx(0.09) and every.token_times[1:6] == pytest.approx([0.02] * 5)
+    assert none.e2e == pytest.approx(0.40)
+    assert runs[1.0].step_summary()["acceptance_rate"] == 1.0

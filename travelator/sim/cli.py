@@ -47,7 +47,8 @@ def add_simulate_parser(subparsers) -> None:
                    help="--hardware: layers split over this many devices in sequence")
     g = sim.add_argument_group("simulation")
     g.add_argument("--draft-acceptance", type=float, default=0.7,
-                   help="speculative decoding: the chance that each draft token is accepted")
+                   help="speculative decoding (--speculative-method ngram or draft): the chance that "
+                        "each draft is accepted once those before it were")
     g.add_argument("--find-max-rate", action="store_true",
                    help="search the highest request rate that meets --slo (first batching mode)")
     g.add_argument("--slo", default=None, metavar="TARGETS",

@@ -4,6 +4,7 @@ cost model, the workload and its arrivals."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 from travelator.bench.arrivals import parse_rate
@@ -64,6 +65,11 @@ def build_simulation(args: argparse.Namespace) -> SimulationSpec:
         arch = open_model(model, "dummy").arch
         shape, context = ModelShape.from_arch(arch), args.max_model_len or arch.max_position_embeddings
     config = engine_config(model, **engine_kwargs(args))
+    scheduler = config.scheduler
+    if scheduler.speculative_method == "ngram":
+        # An n-gram lookup proposes from the tokens' contents, which a simulation does not
+        # have: drafts are counted as a draft model's are, accepted at --draft-acceptance.
+        scheduler = dataclasses.replace(scheduler, speculative_method="draft", draft_model="simulated")
     cost, cost_name = _cost_model(args, shape)
     blocks = config.cache.num_kv_blocks
     if blocks is None:
@@ -71,7 +77,7 @@ def build_simulation(args: argparse.Namespace) -> SimulationSpec:
             blocks = cost.kv_blocks(config.cache.block_size)
         else:  # what the engine takes on a CPU with memory to spare
             blocks = config.scheduler.max_num_seqs * blocks_for(context, config.cache.block_size)
-    setup = SimSetup(config.scheduler, config.cache, blocks, args.draft_acceptance, args.seed)
+    setup = SimSetup(scheduler, config.cache, blocks, args.draft_acceptance, args.seed)
     if args.trace is not None:
         workload, times = load_trace(args.trace, shape.vocab_size, args.workload_seed)
         arrivals, rates = Arrivals(trace_times=times), [None]

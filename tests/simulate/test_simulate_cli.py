@@ -1,0 +1,52 @@
+"""``travelator simulate`` from the command line: a sweep over modes, a fitted cost model from a
+file, a trace, and the planning answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from travelator.cli import main
+from travelator.sim.cost_model import LinearCostModel
+
+
+def test_a_sweep_over_modes_prints_the_compare_table_and_ratio(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--model", "dummy:tiny", "--hardware", "zen3-avx2-2core", "--num-requests", "60",
+               "--batching", "static", "iteration", "--request-rate", "2", "8", "--output-json", str(out),
+               "--output-dir", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "simulated static @ 8 req/s" in text and "Throughput ratio" in text
+    report = json.loads(out.read_text())
+    assert [(r["rate"], r["scheduler"]) for r in report["results"]] == [
+        (2, "static"), (2, "iteration"), (8, "static"), (8, "iteration")]
+    assert all(r["completed"] == 60 for r in report["results"])
+    assert (tmp_path / "latency_vs_throughput.png").stat().st_size > 0
+
+
+def test_a_fitted_model_and_a_trace(tmp_path, capsys):
+    cost = tmp_path / "cost.json"
+    LinearCostModel({"intercept": 0.01}).save(cost)
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,16,3\n0.5,16,3\n")
+    rc = main(["simulate", "--model", "dummy:tiny", "--cost-model", str(cost), "--trace", str(trace),
+               "--goodput", "ttft:15", "--output-json", str(tmp_path / "r.json")])
+    assert rc == 0
+    (row,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    # Each request alone: its prompt's step (10 ms) to the first token, two decodes after.
+    assert row["median_ttft_ms"] == pytest.approx(10.0) and row["median_e2el_ms"] == pytest.approx(30.0)
+    assert row["good_requests"] == 2
+
+
+def test_find_max_rate_and_its_errors(tmp_path, capsys):
+    args = ["simulate", "--model", "dummy:tiny", "--hardware", "zen3-avx2-2core", "--num-requests", "100"]
+    assert main(args + ["--find-max-rate", "--slo", "ttft_p99=500ms"]) == 0
+    assert "highest rate meeting ttft_p99=500ms" in capsys.readouterr().out
+    assert main(args + ["--find-max-rate"]) == 2
+    assert "--find-max-rate needs --slo" in capsys.readouterr().err
+    assert main(args + ["--find-max-rate", "--slo", "ttft=1s"]) == 2
+    assert "bad SLO 'ttft=1s'" in capsys.readouterr().err
+    assert main(["simulate", "--model", "dummy:tiny"]) == 2
+    assert "give one cost model" in capsys.readouterr().err
