@@ -98,9 +98,9 @@ class Simulation:
                 continue
             seconds = self.cost.step_seconds(StepShape.of(out))
             clock.now += seconds
-            sampled = self._sample(out)
+            sampled = self.sample(out)
             done += self._finish_step(out, sampled, results, index)
-            steps.append(StepRecord(clock.now, self._step_stats(out, sampled, seconds)))
+            steps.append(StepRecord(clock.now, self.step_stats(out, sampled, seconds)))
         return RunResult(results, clock.now, steps, self.setup.scheduler.max_num_seqs)
 
     def _finish_step(self, out: SchedulerOutput, sampled: RunnerOutput, results: list[RequestResult],
@@ -120,7 +120,7 @@ class Simulation:
                 finished += 1
         return finished
 
-    def _sample(self, out: SchedulerOutput) -> RunnerOutput:
+    def sample(self, out: SchedulerOutput) -> RunnerOutput:
         """A sample for every request whose scheduled tokens reach the end of its known ones,
         after the drafts the acceptance rate lets through (each accepted with that chance,
         the first refused one ending the run)."""
@@ -139,7 +139,7 @@ class Simulation:
             result.sampled[rid] = [SampledToken(t) for t in [*ids, SAMPLED_TOKEN_ID]]
         return result
 
-    def _step_stats(self, out: SchedulerOutput, sampled: RunnerOutput, seconds: float) -> StepStats:
+    def step_stats(self, out: SchedulerOutput, sampled: RunnerOutput, seconds: float) -> StepStats:
         accepted = sum(len(sampled.tokens_of(rid)) - 1 for rid in out.drafts if rid in sampled.sampled)
         return StepStats(
             num_requests=len(out.num_scheduled_tokens), num_tokens=out.total_num_scheduled_tokens,
