@@ -50,3 +50,14 @@ def test_find_max_rate_and_its_errors(tmp_path, capsys):
     assert "bad SLO 'ttft=1s'" in capsys.readouterr().err
     assert main(["simulate", "--model", "dummy:tiny"]) == 2
     assert "give one cost model" in capsys.readouterr().err
+
+
+def test_the_disaggregated_mode_beside_chunked_batching(tmp_path, capsys):
+    args = ["simulate", "--model", "dummy:tiny", "--hardware", "zen3-avx2-2core", "--num-requests", "40",
+            "--batching", "iteration", "disaggregated", "--request-rate", "4", "--output-json", str(tmp_path / "r.json")]
+    assert main(args) == 2  # this CPU description has no link between pools
+    assert "give --handoff-gbps" in capsys.readouterr().err
+    assert main(args + ["--handoff-gbps", "10"]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [r["scheduler"] for r in rows] == ["iteration", "disaggregated"]
+    assert all(r["completed"] == 40 for r in rows)

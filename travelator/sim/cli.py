@@ -9,7 +9,7 @@ import sys
 
 from travelator.bench.cli import add_modes_arg, add_workload_args
 from travelator.bench.compare import (
-    BATCHING_MODES, default_latency_target, plot_latency_vs_throughput, plot_occupancy, ratio_line,
+    default_latency_target, plot_latency_vs_throughput, plot_occupancy, ratio_line,
     subject_mode, table,
 )
 from travelator.bench.metrics import format_metrics, format_table, parse_slo
@@ -25,7 +25,8 @@ def add_simulate_parser(subparsers) -> None:
                     "bench compare (several) print, in simulated seconds.",
         conflict_handler="resolve")
     add_engine_args(sim)
-    add_modes_arg(sim, ["iteration"], "iteration")
+    add_modes_arg(sim, ["iteration"], "iteration; also disaggregated: prefill and decode in two pools of "
+                                      "the given devices each, chunked batching in both")
     add_workload_args(sim, num_requests=1000)
     g = sim.add_argument_group("arrivals")
     g.add_argument("--trace", default=None, metavar="CSV",
@@ -46,6 +47,8 @@ def add_simulate_parser(subparsers) -> None:
     g.add_argument("--pipeline-stages", type=int, default=1,
                    help="--hardware: layers split over this many devices in sequence")
     g = sim.add_argument_group("simulation")
+    g.add_argument("--handoff-gbps", type=float, default=None,
+                   help="disaggregated: the KV hand-off link in GB/s (default: the --hardware interconnect)")
     g.add_argument("--draft-acceptance", type=float, default=0.7,
                    help="speculative decoding (--speculative-method ngram or draft): the chance that "
                         "each draft is accepted once those before it were")
@@ -82,7 +85,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return _find_max_rate(args, sim)
     from travelator.sim.sweep import sweep
 
-    rows = sweep(sim.setup, sim.cost, sim.workload, sim.arrivals, sim.rates, sim.modes, slo)
+    rows = sweep(sim.setup, sim.cost, sim.workload, sim.arrivals, sim.rates, sim.modes, slo, sim.handoff)
     for row in rows:
         rate = "trace" if row["rate"] is None else f"{row['rate']:g} req/s"
         print(format_metrics(row, f"simulated {row['scheduler']} @ {rate}"))
@@ -106,15 +109,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _find_max_rate(args: argparse.Namespace, sim) -> int:
-    from travelator.sim.sweep import search_max_rate, with_batching
+    from travelator.sim.sweep import DISAGGREGATED, search_max_rate, with_batching
 
     if args.slo is None:
         raise ValueError("--find-max-rate needs --slo, e.g. --slo ttft_p99=2s,tpot_p99=100ms")
     if sim.trace_path is not None:
         raise ValueError("--find-max-rate varies the request rate: give a --workload, not a --trace")
     targets = parse_slo_targets(args.slo)
-    setup = with_batching(sim.setup, sim.modes[0])
-    search = search_max_rate(setup, sim.cost, sim.workload, sim.arrivals, targets)
+    mode = sim.modes[0]
+    split = mode == DISAGGREGATED
+    setup = with_batching(sim.setup, "iteration" if split else mode)
+    search = search_max_rate(setup, sim.cost, sim.workload, sim.arrivals, targets, handoff=sim.handoff if split else None)
     print(format_table([{"rate": r, "met": "yes" if ok else "no"} for r, ok in search.tried],
                        [("rate (req/s)", "rate", "{:.4g}"), ("meets SLO", "met", "")]))
     if search.max_rate is None:
@@ -137,7 +142,7 @@ def _plots(output_dir: str, rows: list[dict], sim, target: float) -> None:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     title = f"simulated: {sim.describe()['model']} on {sim.describe()['cost_model']}"
-    modes = [m for m in BATCHING_MODES if m in sim.modes]
+    modes = sim.modes
     print(f"wrote {plot_latency_vs_throughput(rows, modes, target, out / 'latency_vs_throughput.png', title)}",
           file=sys.stderr)
     top = max(r["rate"] for r in rows)

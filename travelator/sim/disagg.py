@@ -24,6 +24,10 @@ from travelator.sim.cost_model import StepShape
 from travelator.sim.simulator import SAMPLED_TOKEN_ID, Simulation
 
 
+# Seconds for the KV of so many tokens to reach the decode pool.
+HandoffTime = Callable[[int], float]
+
+
 class _Pool:
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -35,7 +39,7 @@ class _Pool:
 
 class DisaggregatedSimulation:
     def __init__(self, prefill: Simulation, decode: Simulation,
-                 handoff_seconds: Callable[[int], float]) -> None:
+                 handoff_seconds: HandoffTime) -> None:
         """``handoff_seconds(num_tokens)``: how long the KV of that many tokens takes to move."""
         self.prefill, self.decode = _Pool(prefill), _Pool(decode)
         self.handoff_seconds = handoff_seconds

@@ -17,7 +17,8 @@ from travelator.engine_args import engine_config, engine_kwargs
 from travelator.sim.cost_model import CostModel, LinearCostModel
 from travelator.sim.roofline import Hardware, ModelShape, RooflineCostModel
 from travelator.sim.simulator import SimSetup
-from travelator.sim.sweep import Arrivals
+from travelator.sim.disagg import HandoffTime
+from travelator.sim.sweep import DISAGGREGATED, Arrivals
 from travelator.sim.trace import load_trace
 
 # A model given only by its shape file has no context length of its own.
@@ -35,6 +36,7 @@ class SimulationSpec:
     rates: list[float | None]  # None: the trace's own arrival times
     modes: list[str]
     trace_path: str | None
+    handoff: HandoffTime | None = None  # the disaggregated mode's KV transfer
 
     def describe(self) -> dict:
         s = self.setup
@@ -45,11 +47,15 @@ class SimulationSpec:
                 "prefix_caching": s.cache.enable_prefix_caching, "workload": self.workload.summary()}
 
 
+SIM_MODES = (*BATCHING_MODES, DISAGGREGATED)
+
+
 def batching_modes(names: list[str]) -> list[str]:
-    modes = list(dict.fromkeys(MODE_ALIASES.get(n, n) for n in names))
-    if unknown := [m for m in modes if m not in BATCHING_MODES]:
-        raise ValueError(f"unknown batching mode(s) {unknown}; choose from {', '.join(BATCHING_MODES)}")
-    return modes
+    """The modes asked for, in the history's order."""
+    modes = {MODE_ALIASES.get(n, n) for n in names}
+    if unknown := sorted(modes - set(SIM_MODES)):
+        raise ValueError(f"unknown batching mode(s) {unknown}; choose from {', '.join(SIM_MODES)}")
+    return [m for m in SIM_MODES if m in modes]
 
 
 def build_simulation(args: argparse.Namespace) -> SimulationSpec:
@@ -85,8 +91,25 @@ def build_simulation(args: argparse.Namespace) -> SimulationSpec:
         workload = build_workload(args, shape.vocab_size, context)
         arrivals = Arrivals(args.burstiness, args.arrival_seed)
         rates = sorted(parse_rate(r) for r in args.request_rate)
-    return SimulationSpec(setup, cost, cost_name, model, workload, arrivals, rates,
-                          batching_modes(args.batching_modes), args.trace)
+    modes = batching_modes(args.batching_modes)
+    handoff = _handoff_time(args, shape, cost) if DISAGGREGATED in modes else None
+    return SimulationSpec(setup, cost, cost_name, model, workload, arrivals, rates, modes, args.trace, handoff)
+
+
+def _handoff_time(args: argparse.Namespace, shape: ModelShape, cost: CostModel) -> HandoffTime:
+    """The KV of a prompt over the link between the pools: --handoff-gbps, else the roofline
+    hardware's interconnect."""
+    latency = 0.0
+    if args.handoff_gbps is not None:
+        bandwidth = args.handoff_gbps * 1e9
+    elif isinstance(cost, RooflineCostModel) and cost.hw.interconnect_bandwidth > 0:
+        bandwidth, latency = cost.hw.interconnect_bandwidth, cost.hw.interconnect_latency
+    else:
+        raise ValueError("the disaggregated mode needs the hand-off link's speed: give --handoff-gbps")
+    if not bandwidth > 0:
+        raise ValueError("--handoff-gbps must be positive")
+    per_token = shape.kv_bytes_per_token
+    return lambda tokens: latency + tokens * per_token / bandwidth
 
 
 def _cost_model(args: argparse.Namespace, shape: ModelShape) -> tuple[CostModel, str]:
