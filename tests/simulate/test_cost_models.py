@@ -119,3 +119,15 @@ def test_all_reduce_time_is_a_ring_over_the_link():
     assert RooflineCostModel(TINY, link, tensor_parallel=4).step_seconds(step) == pytest.approx(192e-9)
     # Pipeline stages: one send of the activations between each pair (64 bytes, 64 ns).
     assert RooflineCostModel(TINY, link, pipeline_parallel=3).step_seconds(step) == pytest.approx(128e-9)
+
+
+def test_steps_slowed_by_other_work_do_not_bias_the_fit_low():
+    # On a shared machine some steps are delayed (here: a third of them run at half speed).
+    # The fit should predict the time the steps took in all, not that of the lucky ones.
+    coef = {"intercept": 0.004, "prefill_tokens": 2e-4, "decode_tokens": 1e-4}
+    _, steps = synthetic_steps(coef, 4, 600, noise=0.0, seed=2)
+    rng = np.random.default_rng(5)
+    slowed = [ProfiledStep(s.shape, s.seconds * (2.0 if rng.random() < 1 / 3 else 1.0)) for s in steps]
+    fitted = fit_linear(slowed)
+    predicted = sum(fitted.step_seconds(s.shape) for s in slowed)
+    assert predicted == pytest.approx(sum(s.seconds for s in slowed), rel=0.1)

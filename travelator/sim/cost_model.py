@@ -115,19 +115,29 @@ def fit_linear(steps: list[ProfiledStep]) -> LinearCostModel:
 
 def _fit_nonnegative(x: np.ndarray, y: np.ndarray, large_step_rows: int | None) -> tuple[LinearCostModel, float]:
     """Keeping every coefficient non-negative (more work never costs less time): a feature whose
-    best weight comes out negative is dropped and the rest refitted. Returns the model and its
-    weighted residual."""
-    w = 1.0 / np.maximum(y, 1e-9)
+    best weight comes out negative is dropped and the rest refitted. Steps are weighted by
+    1 / their predicted time from an unweighted first pass: weighting by the measured time
+    instead would favour the steps that happened to run fast (a step delayed by other work on
+    the machine would count for less), and bias every prediction low. Returns the model and
+    its weighted residual."""
     active = [a for a in range(len(FEATURES)) if np.any(x[:, a])]
+    (first_active, first_coef), _ = _nonnegative_lstsq(x, y, np.ones_like(y), active)
+    w = 1.0 / np.maximum(x[:, first_active] @ first_coef, 0.5 * np.min(y))
+    (active, coef), residual = _nonnegative_lstsq(x, y, w, active)
+    model = LinearCostModel({FEATURES[a]: float(max(c, 0.0)) for a, c in zip(active, coef)}, large_step_rows)
+    return model, residual
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray,
+                       active: list[int]) -> tuple[tuple[list[int], np.ndarray], float]:
+    active = list(active)
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         negative = [a for a, c in zip(active, coef) if c < 0 and a != 0]
         if not negative:
             break
         active.remove(min(negative, key=lambda a: coef[active.index(a)]))
-    residual = float(np.sum(((x[:, active] @ coef - y) * w) ** 2))
-    model = LinearCostModel({FEATURES[a]: float(max(c, 0.0)) for a, c in zip(active, coef)}, large_step_rows)
-    return model, residual
+    return (active, coef), float(np.sum(((x[:, active] @ coef - y) * w) ** 2))
 
 
 def relative_errors(model: CostModel, steps: list[ProfiledStep]) -> np.ndarray:
