@@ -61,3 +61,15 @@ def test_the_disaggregated_mode_beside_chunked_batching(tmp_path, capsys):
     rows = json.loads((tmp_path / "r.json").read_text())["results"]
     assert [r["scheduler"] for r in rows] == ["iteration", "disaggregated"]
     assert all(r["completed"] == 40 for r in rows)
+
+
+def test_find_max_rate_over_batch_sizes_picks_the_best(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["simulate", "--model", "dummy:tiny", "--hardware", "zen3-avx2-2core", "--num-requests", "100",
+            "--find-max-rate", "--slo", "ttft_p99=500ms", "--output-json", str(out)]
+    assert main(args + ["--max-num-seqs-choices", "1", "16"]) == 0
+    searches = json.loads(out.read_text())["searches"]
+    assert [s["max_num_seqs"] for s in searches] == [1, 16]
+    one, sixteen = (s["max_rate"] for s in searches)
+    assert one < sixteen  # one seat serializes the requests
+    assert f"{sixteen:.4g} req/s with max_num_seqs 16" in capsys.readouterr().out
