@@ -73,3 +73,14 @@ def test_find_max_rate_over_batch_sizes_picks_the_best(tmp_path, capsys):
     one, sixteen = (s["max_rate"] for s in searches)
     assert one < sixteen  # one seat serializes the requests
     assert f"{sixteen:.4g} req/s with max_num_seqs 16" in capsys.readouterr().out
+
+
+def test_fit_step_cost_writes_a_model_the_simulator_loads(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["fit-step-cost", "--model", "dummy:tiny", "--output", str(out), "--profile-seconds", "2"]) == 0
+    model = LinearCostModel.load(out)
+    assert model.info["model"] == "dummy:tiny" and len(model.info["profile"]) == model.info["profiled_steps"]
+    assert len(model.info["load_avg_start_end"]) == 2
+    assert "held-out steps: median error" in capsys.readouterr().out
+    assert main(["simulate", "--model", "dummy:tiny", "--cost-model", str(out), "--num-requests", "20",
+                 "--request-rate", "4"]) == 0

@@ -5,6 +5,7 @@ fit seconds per step by least squares; every fifth step is held out to measure t
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from dataclasses import astuple
@@ -70,8 +71,12 @@ def fit_from_engine(args: argparse.Namespace) -> tuple[LinearCostModel, str]:
 
     model_name = resolve_model(args)
     engine = LLM(model_name, **engine_kwargs(args)).engine
+    # Other work on the machine stretches steps at random: the fit is only as good as the quiet.
+    load = [os.getloadavg()[0]]
     steps = profile_engine(engine, args.profile_seconds)
+    load.append(os.getloadavg()[0])
     model, check = fit_and_check(steps)
+    check["load_avg_start_end"] = load
     model.info = {"model": model_name, "engine": engine.summary, "machine": platform.processor() or platform.machine(),
                   "node": platform.node(), **check,
                   # The measurements themselves, so that a later fit can be checked against them.
@@ -80,5 +85,7 @@ def fit_from_engine(args: argparse.Namespace) -> tuple[LinearCostModel, str]:
     report = (f"fitted on {len(steps)} steps: {coef} (seconds per unit; large steps: more than "
               f"{model.large_step_rows} rows)\n"
               f"held-out steps: median error {check['held_out_median_rel_error']:.1%}, p90 "
-              f"{check['held_out_p90_rel_error']:.1%}, total time {check['held_out_total_time_rel_error']:+.1%}")
+              f"{check['held_out_p90_rel_error']:.1%}, total time {check['held_out_total_time_rel_error']:+.1%}\n"
+              f"1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
+              f"(the engine's own threads count; more means other work shared the cores)")
     return model, report
