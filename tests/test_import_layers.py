@@ -27,7 +27,7 @@ FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
     ("engine", frozenset({"engine"})),
     ("disagg", frozenset({"disagg"})),
     ("fronts", frozenset({"chat", "dashboard", "llm", "scoring", "server"})),
-    ("bench", frozenset({"bench"})),
+    ("bench", frozenset({"bench", "sim"})),
     ("entry", frozenset({"cli", ROOT})),
 )
 FLOOR_OF = {unit: level for level, (_, units) in enumerate(FLOORS) for unit in units}

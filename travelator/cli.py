@@ -10,6 +10,7 @@ import sys
 from travelator.bench.cli import add_bench_parser
 from travelator.default_model import resolve_model
 from travelator.engine_args import add_engine_args, engine_kwargs
+from travelator.sim.cli import add_simulate_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export_tokenizer)
 
     add_bench_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

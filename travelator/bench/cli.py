@@ -26,7 +26,7 @@ _EPILOG = """Workloads (outputs are always forced to their lengths with ignore_e
 
 
 # ---- shared options -------------------------------------------------------------------
-def _add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
+def add_workload_args(p: argparse.ArgumentParser, num_requests: int) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="orca", choices=WORKLOADS)
     g.add_argument("--num-requests", type=int, default=num_requests)
@@ -50,7 +50,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---- the parser -----------------------------------------------------------------------
-def _add_modes_arg(p: argparse.ArgumentParser, default, default_text: str) -> None:
+def add_modes_arg(p: argparse.ArgumentParser, default, default_text: str) -> None:
     """--batching as a list of modes, replacing the engine's single --batching (each engine
     of the run gets one mode; the engine setting keeps its default)."""
     p.add_argument("--batching", nargs="+", dest="batching_modes", default=list(default),
@@ -72,7 +72,7 @@ def add_bench_parser(subparsers) -> None:
     tp = sub.add_parser("throughput", help="offline: every request at once, through the engine",
                         epilog=_EPILOG, formatter_class=fmt)
     add_engine_args(tp)
-    _add_workload_args(tp, num_requests=64)
+    add_workload_args(tp, num_requests=64)
     _add_output_args(tp)
     g = tp.add_argument_group("extras")
     g.add_argument("--hf-baseline", action="store_true",
@@ -87,7 +87,7 @@ def add_bench_parser(subparsers) -> None:
     sv = sub.add_parser("serve", help="online: streaming requests against a server URL, or one it starts",
                         epilog=_EPILOG, formatter_class=fmt)
     add_engine_args(sv)
-    _add_workload_args(sv, num_requests=64)
+    add_workload_args(sv, num_requests=64)
     _add_output_args(sv)
     g = sv.add_argument_group("load")
     g.add_argument("--base-url", default=None,
@@ -118,8 +118,8 @@ def add_bench_parser(subparsers) -> None:
                                     "newest mode against each other at the same latency target.",
                         epilog=_EPILOG, formatter_class=fmt, conflict_handler="resolve")
     add_engine_args(cp)
-    _add_modes_arg(cp, DEFAULT_MODES, "static iteration")
-    _add_workload_args(cp, num_requests=32)
+    add_modes_arg(cp, DEFAULT_MODES, "static iteration")
+    add_workload_args(cp, num_requests=32)
     g = cp.add_argument_group("sweep")
     g.add_argument("--request-rates", nargs="+", default=["0.5", "1", "2", "4"], metavar="RATE",
                    help="requests/s, Poisson arrivals (inf: all at once)")
@@ -143,7 +143,7 @@ def add_bench_parser(subparsers) -> None:
                     "throughput; writes interference.json, tbt_cdf.png and step_timeline.png.",
         conflict_handler="resolve")
     add_engine_args(it)
-    _add_modes_arg(it, BATCHING_MODES, "all four")
+    add_modes_arg(it, BATCHING_MODES, "all four")
     g = it.add_argument_group("workload")
     g.add_argument("--num-decodes", type=int, default=8, help="steady decodes, present at the start")
     g.add_argument("--decode-prompt-len", type=int, default=32)

@@ -1,0 +1,104 @@
+"""The simulator's predictions against real runs of the same workload on this machine.
+
+For each model: fit the step cost from a short profiling run of the engine (as
+``travelator fit-step-cost`` does), then for each batching mode and request rate run the
+workload through the real engine (offline, on its Poisson arrival schedule, as
+``bench compare`` does) and through the simulator with the same settings and KV pool, and
+report the relative error of the prediction: throughput and TTFT / TPOT p50 and p99.
+The goal is within 10% at p50 and 20% at p99. Timings on a shared machine drift with its
+load: the 1-minute load average is printed beside each real run.
+
+    python benchmarks/sim_validate.py                       # the full table (tens of minutes)
+    python benchmarks/sim_validate.py --models dummy:llama-50m --rates 1 --num-requests 16 \\
+        --profile-seconds 20                                # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from travelator import LLM
+from travelator.bench.arrivals import arrival_times
+from travelator.bench.metrics import compute_metrics, format_markdown_table
+from travelator.bench.runner import run_engine
+from travelator.bench.workloads import orca_synthetic
+from travelator.config import CacheConfig
+from travelator.sim.profiling import fit_and_check, profile_engine
+from travelator.sim.simulator import SimSetup, Simulation
+
+COMPARED = [("req/s", "request_throughput"), ("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
+            ("TPOT p50", "median_tpot_ms"), ("TPOT p99", "p99_tpot_ms")]
+
+
+def validate_model(model: str, args: argparse.Namespace) -> list[dict]:
+    settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
+    profiler = LLM(model, **settings).engine
+    steps = profile_engine(profiler, args.profile_seconds)
+    cost, check = fit_and_check(steps)
+    coef = ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients.items())
+    print(f"{model}: fitted on {len(steps)} steps ({coef}; large steps: more than {cost.large_step_rows} rows), "
+          f"held-out median error {check['held_out_median_rel_error']:.1%}")
+    vocab, ctx = profiler.arch.vocab_size, profiler.max_model_len
+    del profiler
+    workload = orca_synthetic(args.num_requests, vocab_size=vocab, seed=args.seed,
+                              prompt_len_range=tuple(args.prompt_len_range),
+                              output_len_range=tuple(args.output_len_range), max_model_len=ctx)
+    rows = []
+    for mode in args.modes:
+        engine = LLM(model, batching=mode, **settings).engine
+        setup = SimSetup(engine.config.scheduler, CacheConfig(num_kv_blocks=args.num_kv_blocks,
+                                                              enable_prefix_caching=False), args.num_kv_blocks)
+        for k, rate in enumerate(args.rates):
+            arrivals = arrival_times(len(workload), rate, seed=args.seed)
+            work = workload.salted(k + 1)
+            load = os.getloadavg()[0]
+            real = run_engine(engine, work, arrivals, progress=False, record_steps=False)
+            sim = Simulation(setup, cost).run(work, arrivals)
+            rows.append(compare_row(model, mode, rate, load, compute_metrics(real.results, real.duration_s),
+                                    compute_metrics(sim.results, sim.duration_s)))
+            print(format_markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def compare_row(model: str, mode: str, rate: float, load: float, real: dict, sim: dict) -> dict:
+    row = {"model": model, "mode": mode, "rate": rate, "load": load}
+    for label, key in COMPARED:
+        r, s = real.get(key), sim.get(key)
+        row[f"real {label}"], row[f"sim {label}"] = r, s
+        row[f"err {label}"] = None if not r or s is None else (s - r) / r
+    return row
+
+
+COLUMNS = [("model", "model", ""), ("mode", "mode", ""), ("rate", "rate", "{:g}"), ("load", "load", "{:.1f}")]
+for _label, _ in COMPARED:
+    COLUMNS += [(f"real {_label}", f"real {_label}", "{:.3g}"), (f"sim {_label}", f"sim {_label}", "{:.3g}"),
+                (f"err {_label}", f"err {_label}", "{:+.0%}")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["dummy:llama-50m", "dummy:llama-250m"])
+    p.add_argument("--modes", nargs="+", default=["static", "iteration"])
+    p.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0, 4.0])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len-range", type=int, nargs=2, default=[32, 512])
+    p.add_argument("--output-len-range", type=int, nargs=2, default=[1, 128])
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument("--profile-seconds", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    rows = [row for model in args.models for row in validate_model(model, args)]
+    print(format_markdown_table(rows, COLUMNS))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
