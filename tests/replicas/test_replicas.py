@@ -184,3 +184,13 @@ def test_killed_replica_fails_only_its_requests_and_restarts(front):
         assert {first, _complete(front, "The cat sat on the mat.")} == {0, 1}
         for _ in held.iter_lines():
             pass
+
+
+def test_loads_list_each_replica_as_a_rank(front):
+    loads = httpx.get(f"{front.base_url}/v1/loads", timeout=10).json()["loads"]
+    assert [load["dp_rank"] for load in loads] == [0, 1]
+    for load, replica in zip(loads, _health(front)["replicas"]):
+        text = httpx.get(f"{replica['url']}/metrics", timeout=10).text
+        blocks = float(re.search(r"^travelator_kv_cache_total_blocks\{[^}]*\} (\S+)$", text, re.M)[1])
+        assert load["max_total_num_tokens"] == blocks * 16  # the default block size
+        assert load["num_running_reqs"] == 0

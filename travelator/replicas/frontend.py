@@ -7,6 +7,7 @@
 - ``GET /health``: ``{"status": "ok", "replicas": [...]}`` when every replica serves; 200 with
   ``{"status": "degraded", ...}`` while some are down or restarting (the others still answer);
   503 when none is up. Each replica is listed with its URL, cores, state and restarts.
+- ``GET /v1/loads``: every live replica's own report, as data-parallel rank ``index``.
 - ``GET /metrics``: the front end's routing figures (``metrics.py``).
 
 A replica that dies mid-request fails only the requests it held: a 502 (``replica_failed``)
@@ -131,6 +132,17 @@ def build_replica_app(replicas: ReplicaSet, router: PrefixRouter) -> FastAPI:
         app.add_api_route(path, routed, methods=["POST"])
     for path in ("/v1/models", "/v1/models/{model:path}", "/version", "/tokenizer_info"):
         app.add_api_route(path, any_replica, methods=["GET"])
+
+    @app.get("/v1/loads")
+    async def loads() -> Response:
+        """Each live replica's load report as one data-parallel rank (its index), the shape
+        smg reads from a server with several ranks."""
+        live = [r for r in replicas.replicas if r.up]
+        answers = await asyncio.gather(*(http.get(f"{r.base_url}/v1/loads", timeout=5.0) for r in live),
+                                       return_exceptions=True)
+        ranks = [{**answer.json()["loads"][0], "dp_rank": r.index} for r, answer in zip(live, answers)
+                 if isinstance(answer, httpx.Response) and answer.status_code == 200]
+        return JSONResponse({"loads": ranks})
 
     @app.get("/health")
     async def health() -> Response:
