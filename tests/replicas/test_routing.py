@@ -8,7 +8,7 @@ import json
 import pytest
 
 from travelator.replicas.cores import core_shares, parse_cpu_list
-from travelator.replicas.frontend import routing_text
+from travelator.replicas.proxy import routing_text
 from travelator.replicas.launch import replica_serve_args
 from travelator.replicas.routing import NoReplicaAlive, PrefixRouter
 

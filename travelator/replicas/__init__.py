@@ -6,6 +6,8 @@ sends each request to one of them.
 - ``routing.py``: which replica gets a request (where its prefix went before, else the least
   loaded one), and why.
 - ``supervisor.py``: the replica processes; a dead one is restarted.
-- ``frontend.py``: the front end's FastAPI app, a proxy of the OpenAI routes.
+- ``proxy.py``: forwarding a request to a replica and relaying its answer.
+- ``frontend.py``: the front end's FastAPI app over the proxy (health, loads, metrics).
+- ``metrics.py``: routing decisions and replica states for ``/metrics``.
 - ``launch.py``: the ``serve`` command's entry for ``--data-parallel-size``.
 """
