@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -194,3 +195,11 @@ def test_loads_list_each_replica_as_a_rank(front):
         blocks = float(re.search(r"^travelator_kv_cache_total_blocks\{[^}]*\} (\S+)$", text, re.M)[1])
         assert load["max_total_num_tokens"] == blocks * 16  # the default block size
         assert load["num_running_reqs"] == 0
+
+
+def test_a_replica_that_cannot_start_fails_the_front_end(tmp_path):
+    missing = tmp_path / "no-such-model.gguf"
+    proc = subprocess.run(serve_command(["--model", str(missing), "--data-parallel-size", "2"], free_port()),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "before it was ready" in proc.stderr and str(missing) in proc.stderr

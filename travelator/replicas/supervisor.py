@@ -57,9 +57,15 @@ class ReplicaSet:
         """Start every replica, wait until all are healthy, then watch them."""
         for replica in self.replicas:
             replica.process.launch()
+        try:
+            for replica in self.replicas:
+                replica.process.wait_ready(self._start_timeout)
+                self._set_up(replica, True)
+        except RuntimeError:  # one did not start: stop the others rather than orphan them
+            for replica in self.replicas:
+                replica.process.stop()
+            raise
         for replica in self.replicas:
-            replica.process.wait_ready(self._start_timeout)
-            self._set_up(replica, True)
             logger.warning("replica %d on cores %s: %s (log %s)", replica.index, sorted(replica.cpus),
                            replica.base_url, replica.process.log_path)
         for replica in self.replicas:
