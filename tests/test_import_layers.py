@@ -27,6 +27,7 @@ FLOORS: tuple[tuple[str, frozenset[str]], ...] = (
     ("engine", frozenset({"engine"})),
     ("disagg", frozenset({"disagg"})),
     ("fronts", frozenset({"chat", "dashboard", "llm", "scoring", "server"})),
+    ("replicas", frozenset({"replicas"})),  # whole servers as processes, behind a front end
     ("bench", frozenset({"bench", "sim"})),
     ("entry", frozenset({"cli", ROOT})),
 )

@@ -47,6 +47,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from travelator.scoring import ScoreFormat
     from travelator.server.settings import ServerSettings
 
+    if args.data_parallel_size > 1:
+        from travelator.replicas.launch import serve_replicas
+
+        return serve_replicas(args, args.argv[args.argv.index("serve") + 1:])
     model = resolve_model(args)
     settings = ServerSettings(
         served_model_names=args.served_model_name or [model],
@@ -201,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefill/decode disaggregation: P prefill and D decode worker processes, each "
                           "with its own engine and KV pool; the KV of each prompt moves from a prefill "
                           "to a decode worker over gloo (e.g. 1:2; default: one engine)")
+    srv.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="N replicas, each a whole engine in its own process on its own share of the "
+                          "cores, behind this one endpoint; requests go where their prefix went "
+                          "before, else to the least loaded replica (default 1)")
     srv.add_argument("--worker-threads", type=int, default=None,
                      help="with --disaggregate: torch threads per worker (default: the cores shared out)")
     srv.set_defaults(func=cmd_serve)
@@ -217,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -388,5 +388,6 @@ def _validation(config: EngineConfig, max_model_len: int) -> tuple[ServedModel, 
     eos = frozenset(source.tokenizer.eos_token_ids) | frozenset(source.arch.eos_token_ids)
     requests = RequestFactory(source.tokenizer, vocab_size, max_model_len, eos, grammars)
     served = ServedModel(source.name, source.tokenizer, vocab_size, max_model_len, grammars,
-                         source.arch.hidden_size, source.arch.matryoshka_dimensions)
+                         source.arch.hidden_size, source.arch.matryoshka_dimensions,
+                         kv_block_size=config.cache.block_size, max_num_seqs=config.scheduler.max_num_seqs)
     return served, requests

@@ -82,7 +82,9 @@ class AsyncEngine:
         arch = engine.arch
         self.served_model = ServedModel(engine.model_name, engine.tokenizer, arch.vocab_size,
                                         engine.max_model_len, engine.grammars, arch.hidden_size,
-                                        arch.matryoshka_dimensions)
+                                        arch.matryoshka_dimensions,
+                                        kv_block_size=engine.config.cache.block_size,
+                                        max_num_seqs=engine.config.scheduler.max_num_seqs)
         # Called on the step thread after every step (metrics); must be quick and thread-safe.
         self.step_listeners: list[StepListener] = []
         # Called on the step thread when the loop runs out of work (after its last step, or

@@ -59,6 +59,8 @@ class ServedModel:
     grammars: GrammarCompiler  # structured outputs compile here before a request is made
     hidden_size: int  # an embedding's length
     matryoshka_dimensions: tuple[int, ...] = ()  # the shorter lengths it may be cut to
+    kv_block_size: int = 16  # tokens per KV block (what routers' load reports count in)
+    max_num_seqs: int = 0  # most requests in one step (0: not known)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,7 @@ from travelator.server.protocol import (
 from travelator.server.response_store import ResponseStore
 from travelator.server.responses import create_response, delete_response, get_response
 from travelator.server.responses_protocol import ResponseObject, ResponsesRequest
+from travelator.server.router_probes import router_probe_routes
 from travelator.server.serving import OpenAIServing
 from travelator.server.settings import ServerSettings
 from travelator.server.streaming import json_response
@@ -167,6 +168,7 @@ def build_app(client: EngineClient, settings: ServerSettings | None = None) -> F
     app.include_router(_v1_routes(serving, store, require_api_key))
     app.include_router(pooling_routes(serving, require_api_key))
     app.include_router(_tokenizer_routes(serving, require_api_key))
+    app.include_router(router_probe_routes(serving))  # open, as /health is: routers poll them
     _add_operator_routes(app, serving, require_api_key)
     if settings.dashboard:
         app.include_router(_dashboard(client, settings, metrics, feed))

@@ -33,8 +33,9 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], port: int, *, host: str = "127.0.0.1",
                  env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, cpus: frozenset[int] | None = None) -> None:
         self.argv = argv
+        self.cpus = cpus  # the cores it may run on (from its first instruction), or all
         self.base_url = f"http://{host}:{port}"
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._cwd = cwd
@@ -45,9 +46,21 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> None:
         """Start it and wait until it is healthy; RuntimeError (with the log's tail) if it exits
         or is not healthy in time (it is stopped then)."""
-        with open(self.log_path, "wb") as log:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process (appending to its log) without waiting for it."""
+        cpus = self.cpus
+        # Pinned before exec, so every thread the server ever starts inherits the set.
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, env=self._env, cwd=self._cwd, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=pin)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Wait until the launched process answers ``GET /health`` with 200."""
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
