@@ -19,6 +19,7 @@ One engine (travelator's defaults unless ``--option`` says otherwise), three pha
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import random
 import statistics
@@ -27,6 +28,14 @@ import time
 from travelator import LLM, SamplingParams
 from travelator.model.device import cpu_model_name
 from travelator.pooling_params import PoolingParams
+
+
+def _value(text: str):
+    """A setting's value: a Python literal (a number, True) or else the string itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -103,7 +112,7 @@ def main() -> None:
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting, e.g. dtype=float32 (repeatable)")
     args = ap.parse_args()
-    options = dict(kv.split("=", 1) for kv in args.option)
+    options = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.option)}
     llm = LLM(args.model, max_model_len=4096, **options)
     print(f"# {cpu_model_name()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; {args.model}, "
           f"{args.inputs} inputs x {args.input_tokens} tokens, {args.decodes} decodes; options {options or 'none'}")
