@@ -129,15 +129,15 @@ def test_stories_pp2_tokens_and_logprobs_equal_pp1():
                 assert pos[t] == pytest.approx(want_pos[t], abs=1e-4)
 
 
-@pytest.mark.parametrize("weights", [dict(dtype="float32"), dict(dtype="bfloat16"),
-                                     dict(dtype="float32", quantization="int8")])
+@pytest.mark.parametrize("weights", [dict(device="cpu", dtype="float32"), dict(device="cpu", dtype="bfloat16"),
+                                     dict(device="cpu", dtype="float32", quantization="int8")])
 def test_dummy_weights_same_model_under_pp(weights):
     """Every stage draws the whole model's stream and keeps its part: the same model as one rank
     (bfloat16 hidden states and logits between stages; int8 weights quantized per stage)."""
     prompts = [[1, 5, 6, 7, 8], [1] + list(range(100, 140))]
-    one = LLM("dummy:tiny", device="cpu", num_kv_blocks=16, **weights)
+    one = LLM("dummy:tiny", num_kv_blocks=16, **weights)
     want = [r.token_ids for r in one.generate(prompts, greedy(10), use_tqdm=False)]
-    two = LLM("dummy:tiny", device="cpu", num_kv_blocks=16, pipeline_parallel_size=2, **weights)
+    two = LLM("dummy:tiny", num_kv_blocks=16, pipeline_parallel_size=2, **weights)
     try:
         got = [r.token_ids for r in two.generate(prompts, greedy(10), use_tqdm=False)]
         assert "pipeline parallel over 2 stages" in two.engine.runner.describe()

@@ -21,14 +21,14 @@ def _rank(host: Host, master: Host, node_rank: int) -> list[str]:
     return host.command([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                          "--node-rank", str(node_rank), "--nproc-per-node", "1",
                          "--master-addr", master.address, "--master-port", "29500",
-                         *GENERATE, "--tensor-parallel-size", "2"],
+                         *GENERATE, "--device", "cpu", "--tensor-parallel-size", "2"],
                         # gloo binds the interface named here, not whatever the hostname resolves to.
                         env={"GLOO_SOCKET_IFNAME": host.interface, "TRAVELATOR_TP_SECRET": SECRET})
 
 
 @needs_stories
 def test_tp2_over_torchrun_across_two_hosts_gives_one_process_text():
-    one = subprocess.run([sys.executable, *GENERATE], capture_output=True, text=True, timeout=300, check=True)
+    one = subprocess.run([sys.executable, *GENERATE, "--device", "cpu"], capture_output=True, text=True, timeout=300, check=True)
     with two_hosts() as (first, second):
         sent_before = first.link_bytes()[1]
         worker = subprocess.Popen(_rank(second, first, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
