@@ -155,7 +155,7 @@ def _in_schema_order(value, schema, root):
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_instances_in_bounds_are_accepted(schema, data):
     drawn = data.draw(from_schema(copy.deepcopy(schema)))
@@ -247,7 +247,7 @@ def test_json_objects_have_no_free_whitespace(text):
 
 
 @given(st.integers(-10**20, 10**20), st.integers(-10**20, 10**20), st.integers(-10**21, 10**21))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_integer_range_regex_matches_exactly_the_range(a, b, n):
     low, high = min(a, b), max(a, b)
     assert (re.fullmatch(integer_range_regex(low, high), str(n)) is not None) == (low <= n <= high)
@@ -263,7 +263,7 @@ BOUND = st.one_of(st.none(), st.tuples(st.integers(-1000, 1000), st.booleans()))
 
 
 @given(BOUND, BOUND, st.from_regex(r"-?(0|[1-9][0-9]{0,3})(\.[0-9]{1,3})?", fullmatch=True))
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=150, deadline=None)
 def test_decimal_range_regex_matches_exactly_the_range(low, high, text):
     widest = (10**4 - 1, True)
     regex = decimal_range_regex(low, high, widest)

@@ -149,7 +149,8 @@ def test_cache_aware_routing_beats_round_robin(router_name, servers, reference, 
     assert rates["cache_aware"] > rates["round_robin"], rates
 
 
-@pytest.mark.parametrize("router_name", list(ROUTERS))
+# vllm-router only: smg's health checks take the same path, and the suite's time is bounded.
+@pytest.mark.parametrize("router_name", ["vllm-router"])
 def test_a_killed_server_leaves_the_rotation(router_name, reference, tmp_path):
     if shutil.which(str(BIN / router_name)) is None:
         pytest.skip(f"{router_name} is not installed (the test extra installs it)")

@@ -65,7 +65,7 @@ def test_the_disaggregated_mode_beside_chunked_batching(tmp_path, capsys):
 
 def test_find_max_rate_over_batch_sizes_picks_the_best(tmp_path, capsys):
     out = tmp_path / "r.json"
-    args = ["simulate", "--model", "dummy:tiny", "--hardware", "zen3-avx2-2core", "--num-requests", "100",
+    args = ["simulate", "--model", "dummy:tiny", "--hardware", "zen3-avx2-2core", "--num-requests", "40",
             "--find-max-rate", "--slo", "ttft_p99=500ms", "--output-json", str(out)]
     assert main(args + ["--max-num-seqs-choices", "1", "16"]) == 0
     searches = json.loads(out.read_text())["searches"]
