@@ -11,8 +11,10 @@ half of them to the replica that never saw the prompt. Every answer equals the d
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +24,8 @@ import pytest
 from paths import STORIES, needs_stories
 from travelator.server.process import ServerProcess, free_port, serve_command
 
-ROUTER = shutil.which("vllm-router")
+# Beside the interpreter (the test extra installs it into the venv), or on PATH.
+ROUTER = shutil.which("vllm-router", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 pytestmark = [needs_stories, pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed")]
 
 ROOT = Path(__file__).resolve().parents[2]
