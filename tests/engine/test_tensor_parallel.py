@@ -198,8 +198,11 @@ def test_more_cuda_ranks_than_gpus_are_refused_before_any_worker_starts(monkeypa
         rank_device("cuda", 1)  # a torchrun worker's own check
 
 
-def test_killed_worker_fails_the_engine_fast():
-    llm = LLM("dummy:tiny", device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+@pytest.mark.parametrize("parallel", [dict(device="cpu", tensor_parallel_size=2),
+                                      dict(device="cpu", pipeline_parallel_size=2)])
+def test_killed_worker_fails_the_engine_fast(parallel):
+    """A tensor-parallel shard or a pipeline stage: the driver notices its death at once."""
+    llm = LLM("dummy:tiny", dtype="float32", num_kv_blocks=64, **parallel)
     engine = llm.engine
     (pid,) = engine.runner.worker_pids
     for i in range(4):
