@@ -52,6 +52,8 @@ class PoolingStage:
         """Each scoring request's label tokens' log-probabilities after its prompt (its
         sampled row: the last prompt token's). Before sampling, which may scale the logits."""
         done = {}
+        if not inputs.pool_spans:  # no prompt-only request ends this step: nothing to read
+            return done
         for row, rid in enumerate(inputs.sampled_ids):
             params = states[rid].sampling_params.pooling
             if params is not None and params.task == "score":
