@@ -12,6 +12,7 @@ import pytest
 
 TORCH_FREE = [
     "travelator.engine.scheduler",
+    "travelator.engine.iteration_scheduler",
     "travelator.engine.static_scheduler",
     "travelator.engine.block_manager",
     "travelator.engine.scheduler_factory",

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 from travelator.config import SchedulerConfig
 from travelator.engine.block_manager import KVCacheManager
-from travelator.engine.scheduler import (
+from travelator.engine.iteration_scheduler import (
     IterationScheduler,
     PriorityScheduler,
-    SchedulerBase,
     WholePromptScheduler,
 )
+from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.static_scheduler import DynamicScheduler, StaticScheduler
 
 
