@@ -32,7 +32,8 @@ class IterationScheduler(SchedulerBase):
         budget, preempted = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not preempted:
             self._admit_waiting(out, budget)
-            while not out.num_scheduled_tokens and self._release_waiting_blocks(out):
+            # Not while steps are in flight: their requests, not the pool, may be what is busy.
+            while not out.num_scheduled_tokens and not self.num_in_flight and self._release_waiting_blocks(out):
                 self._admit_waiting(out, budget)
         return out
 
@@ -53,7 +54,7 @@ class IterationScheduler(SchedulerBase):
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         blocked: list[Request] = []  # waiting requests that did not fit this step
         for req in self._waiting_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or not self._step_has_room(out):
                 break
             if any(b.num_overtaken >= self.config.max_overtakes for b in blocked):
                 break

@@ -42,6 +42,11 @@ class SchedulerBase:
         self._freed: list[str] = []
         # Finished requests whose blocks are kept until the engine has read them out.
         self._handoffs: list[Request] = []
+        # Pipeline parallelism: requests in a step still in flight (scheduled, tokens not yet
+        # back). Never scheduled, preempted or announced freed until their step returns.
+        self._in_flight: set[str] = set()
+        self._freed_in_flight: list[str] = []
+        self.micro_batches = 1  # steps the engine keeps in flight (set_micro_batches)
         self.num_preemptions = 0
         self.num_admitted = 0  # requests scheduled for the first time, so far
         self._arrivals = itertools.count()
@@ -53,7 +58,7 @@ class SchedulerBase:
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._in_flight:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
         request.times.queued = self.clock()
@@ -104,7 +109,41 @@ class SchedulerBase:
     def _forget_in_runner(self, request_id: str) -> None:
         if request_id in self._known_by_runner:
             self._known_by_runner.discard(request_id)
-            self._freed.append(request_id)
+            # The runner still samples an in-flight step's rows: it forgets them after.
+            freed = self._freed_in_flight if request_id in self._in_flight else self._freed
+            freed.append(request_id)
+
+    # ---- steps in flight (pipeline parallelism) ---------------------------------------
+    def start_flight(self, out: SchedulerOutput) -> None:
+        """``out`` has been sent off and its tokens are not back: its requests sit out the
+        next schedules (their blocks stay theirs) until ``update_from_output`` of ``out``."""
+        self._in_flight.update(out.num_scheduled_tokens)
+
+    def end_flight(self, out: SchedulerOutput) -> None:
+        """``out``'s tokens are back (or it failed): its requests may be scheduled again, and
+        those finished meanwhile are announced freed to the runner."""
+        self._in_flight.difference_update(out.num_scheduled_tokens)
+        still = [rid for rid in self._freed_in_flight if rid in self._in_flight]
+        self._freed.extend(rid for rid in self._freed_in_flight if rid not in self._in_flight)
+        self._freed_in_flight = still
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def set_micro_batches(self, n: int) -> None:
+        """The engine keeps up to ``n`` steps in flight: each step then takes its share of the
+        requests, so that every stage of the pipeline has a micro-batch to compute."""
+        if n < 1:
+            raise ValueError("micro_batches must be positive")
+        self.micro_batches = n
+
+    def _step_has_room(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` may take one more request (its share, with micro-batches)."""
+        if self.micro_batches == 1:
+            return True
+        share = -(-(len(self.running) + len(self.waiting)) // self.micro_batches)
+        return len(out.num_scheduled_tokens) < share
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it back to wait."""
@@ -158,9 +197,10 @@ class SchedulerBase:
         Returns the budget left and whether anything was preempted.
         """
         preempted = False
+        order = [r for r in self.running if r.request_id not in self._in_flight]
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(order) and budget > 0 and self._step_has_room(out):
+            req = order[i]
             known = len(self.kv.block_ids(req.request_id))
             drafts, k = self._drafts(req, budget)
             if k:
@@ -171,7 +211,10 @@ class SchedulerBase:
                 continue
             n = self._schedule_tokens(req, budget)
             while n is None:
-                victim = self._pick_victim(i)
+                victim = self._pick_victim(order, i)
+                if victim is req and self._in_flight:
+                    break  # blocks come back with the steps in flight: it waits for them
+                order.remove(victim)
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -180,7 +223,8 @@ class SchedulerBase:
                     break
                 n = self._schedule_tokens(req, budget)
             if n is None:
-                continue  # req itself was preempted; running[i] is now the next one
+                i += req in order  # preempted: order[i] is now the next one; waiting: skipped
+                continue
             self._add_to_output(out, req, n, known)
             budget -= n
             i += 1
@@ -212,20 +256,21 @@ class SchedulerBase:
             return [], 0
         return proposal[:k], k
 
-    def _pick_victim(self, i: int) -> Request:
-        """The request to preempt so that running[i] can go on.
+    def _pick_victim(self, order: list[Request], i: int) -> Request:
+        """The request to preempt so that order[i] can go on (``order``: the running requests
+        this step may schedule, none in flight).
 
         Only requests not yet scheduled this step qualify, least important first. A
         request that was preempted and has not produced a token since is spared: if
-        every later request is such a one, running[i] yields itself instead (it is
+        every later request is such a one, order[i] yields itself instead (it is
         never one itself, since a resumed request holds blocks for its whole
         recompute and asks for none until it has produced a token).
         """
-        later = self.running[i + 1:]
+        later = order[i + 1:]
         spared = [r for r in later if not r.resumed_without_progress]
         if spared:
             return self._least_important(spared)
-        req = self.running[i]
+        req = order[i]
         if later and req.resumed_without_progress:  # cannot happen; never deadlock if it does
             return self._least_important(later)
         return req
@@ -297,6 +342,7 @@ class SchedulerBase:
         tokens, with them (several under speculative decoding), and each that finished its
         prompt with ``max_tokens=0``, with none: whether they stop is decided after
         detokenizing (``OutputProcessor``), and comes back through ``stop_request``."""
+        self.end_flight(out)
         now = time.monotonic()
         updated = []
         for rid, n in out.num_scheduled_tokens.items():
