@@ -75,7 +75,9 @@ def test_pp2_matches_pp1_and_transformers(family, tmp_path):
     two = LLM(str(path), device="cpu", pipeline_parallel_size=2, **TIGHT)
     try:
         got = run_staggered(two, reqs)
-        assert two.engine.counters.preemptions == one.engine.counters.preemptions
+        # Two micro-batches in flight (the default: one per stage), each preempting on its own.
+        assert two.engine.runner.most_in_flight == 2
+        assert two.engine.counters.preemptions > 0
         mem = two.engine.runner.call("memory")
     finally:
         two.shutdown()
@@ -113,7 +115,7 @@ def test_stories_pp2_tokens_and_logprobs_equal_pp1():
     two = LLM(str(STORIES), device="cpu", pipeline_parallel_size=2, **settings)
     try:
         got = logprob_run(two, prompts)
-        assert two.engine.counters.preemptions > 0
+        assert two.engine.counters.preemptions > 0 and two.engine.runner.most_in_flight == 2
     finally:
         two.shutdown()
     for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
@@ -140,6 +142,41 @@ def test_dummy_weights_same_model_under_pp(weights):
     finally:
         two.shutdown()
     assert got == want
+
+
+def test_two_steps_in_flight_unless_told_one_and_an_abort_in_flight():
+    """The driver sends step t+1 through the stages before it lands step t's tokens (its
+    hidden-state send to stage 2 completes only once stage 2 takes it), unless told to run one
+    step at a time; the tokens are one rank's either way. A request aborted while its step is
+    in flight ends at once; the others go on, and every rank forgets it."""
+    prompts = [[1] + list(range(10 + 7 * i, 30 + 9 * i)) for i in range(4)]
+    settings = dict(device="cpu", dtype="float32", num_kv_blocks=32, max_num_batched_tokens=16)
+    want = [r.token_ids for r in LLM("dummy:tiny", **settings).generate(prompts, greedy(8), use_tqdm=False)]
+    llm = LLM("dummy:tiny", pipeline_parallel_size=2, **settings)
+    engine, runner = llm.engine, llm.engine.runner
+    try:
+        engine.set_steps_in_flight(1)
+        one_at_a_time = [r.token_ids for r in llm.generate(prompts, greedy(8), use_tqdm=False)]
+        assert runner.most_in_flight == 0
+        engine.set_steps_in_flight(2)
+        assert [r.token_ids for r in llm.generate(prompts, greedy(8), use_tqdm=False)] == want == one_at_a_time
+        assert runner.most_in_flight == 2
+
+        ids = [engine.add_request(p, greedy(8)).request_id for p in prompts]
+        finished = {o.request_id: o for o in engine.step() if o.finished}
+        (flying,) = engine._flights  # one step landed, the next in flight
+        victim = next(iter(flying.num_scheduled_tokens))
+        (aborted,) = engine.abort_request([victim])
+        assert aborted.finish_reason == "abort" and engine.kv.block_ids(victim) == []
+        while engine.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert victim not in finished
+        assert {rid: finished[rid].output_token_ids for rid in ids if rid != victim} == \
+            {rid: want[i] for i, rid in enumerate(ids) if rid != victim}
+        engine.step()  # nothing to run: the freed ids reach every rank
+        assert runner.held_request_ids() == set() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_tensor_and_pipeline_together_are_refused():

@@ -7,13 +7,14 @@ import logging
 import os
 import time
 import traceback
+from collections import deque
 
 import torch
 
 from travelator.config import EngineConfig
 from travelator.engine.tp_executor import TensorParallelError, make_executor
 from travelator.errors import InvalidRequestError
-from travelator.engine.executor import Executor
+from travelator.engine.executor import Executor, PipelinedExecutor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.block_manager import KVCacheManager, blocks_for
 from travelator.engine.kv_event_publisher import KVEventStream
@@ -27,7 +28,7 @@ from travelator.engine.request import Request, RequestSpec, RequestStatus
 from travelator.engine.request_factory import RequestFactory
 from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
-from travelator.engine.scheduler_output import SampledToken, SchedulerOutput
+from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.engine.step_stats import EngineCounters, StepStats
 from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
@@ -76,6 +77,10 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.last_schedule: SchedulerOutput | None = None  # what that step ran (the live view reads it)
         self._phase_times = {"schedule": 0.0, "update+detokenize": 0.0}
+        # Pipeline parallelism: steps sent through the stages whose tokens are not back yet.
+        self._flights: deque[SchedulerOutput] = deque()
+        self.steps_in_flight = 1
+        self.set_steps_in_flight(config.parallel.pipeline_parallel_size)
         # What the defaults chose here: the line LLM and the CLI print once at start-up.
         self.summary = (f"model {self.model_name} ({self.arch.family}, {self.arch.num_parameters / 1e6:.1f}M "
                         f"parameters): {self.runner.describe()}; KV pool {num_blocks} blocks x {block_size} "
@@ -235,7 +240,7 @@ class LLMEngine:
         return [self.output_processor.finish_output(req) for req in done]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._flights)
 
     def seconds_until_admission(self) -> float | None:
         """How long the scheduler holds waiting requests back with nobody running (dynamic
@@ -277,7 +282,21 @@ class LLMEngine:
             if self.kv_events is not None:  # this step's changes to the cache, as one batch
                 self.kv_events.flush()
 
+    def set_steps_in_flight(self, n: int) -> None:
+        """Keep up to ``n`` steps in flight, at most one per pipeline stage (Orca's micro-batches:
+        each stage computes one while the others compute theirs); 1: one step at a time, as
+        every other mode runs. A pipeline keeps one per stage unless told otherwise."""
+        stages = self.config.parallel.pipeline_parallel_size
+        if not 1 <= n <= stages:
+            raise ValueError(f"steps in flight must be from 1 to the {stages} pipeline stage(s)")
+        if self._flights:
+            raise RuntimeError("steps are in flight: change how many between runs")
+        self.steps_in_flight = n
+        self.scheduler.set_micro_batches(n)
+
     def _step(self) -> list[RequestOutput]:
+        if self.steps_in_flight > 1:
+            return self._pipelined_step()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self._phase_times["schedule"] += time.perf_counter() - t0
@@ -295,6 +314,33 @@ class LLMEngine:
             logger.error("step failed; failing its %d requests:\n%s",
                          len(out.num_scheduled_tokens), traceback.format_exc())
             return self._fail_step(list(out.num_scheduled_tokens), exc)
+        return self._update(out, result, t0)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Send steps through the stages while fewer than ``steps_in_flight`` are out (each over
+        requests in none of them), then land the oldest. A stage that fails breaks the engine
+        (TensorParallelError), as with one step at a time."""
+        t0 = time.perf_counter()
+        runner: PipelinedExecutor = self.runner  # a pipeline's driver (make_executor)
+        while len(self._flights) < self.steps_in_flight:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                if self._flights:  # the runner hears of the freed ids with the next step
+                    self.scheduler.return_freed(out.freed_request_ids)
+                else:
+                    runner.execute(out)
+                break
+            self.scheduler.start_flight(out)
+            runner.launch(out)
+            self._flights.append(out)
+        self._phase_times["schedule"] += time.perf_counter() - t0
+        if not self._flights:
+            return []
+        out = self._flights.popleft()
+        return self._update(out, runner.land(), t0)
+
+    def _update(self, out: SchedulerOutput, result: RunnerOutput, t0: float) -> list[RequestOutput]:
+        """Advance the step's requests by its result and make their outputs."""
         t_update = time.perf_counter()
         # Requests the runner could not carry on end here; the update passes over them.
         outputs = self._fail_requests(result.failed)

@@ -52,3 +52,16 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Stop what the executor started (workers); idempotent."""
         ...
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """A pipeline's driver (``TPExecutor`` over stages): steps sent off and landed in order, so
+    that several are in flight at once."""
+
+    def launch(self, out: SchedulerOutput) -> None:
+        """Apply the step's changes and send it through the stages; do not wait for its tokens."""
+        ...
+
+    def land(self) -> RunnerOutput:
+        """The tokens of the oldest step launched and not landed."""
+        ...

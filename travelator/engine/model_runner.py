@@ -52,6 +52,16 @@ class RunnerSettings:
     max_num_batched_tokens: int = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A pipeline step the driver has sent off: its flat inputs (None: nothing to run) and
+    its first stage's output rows, until its logits come back."""
+
+    out: SchedulerOutput
+    inputs: StepInputs | None
+    hidden: torch.Tensor | None
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, arch: ModelArch, weights: WeightIterator | None,
                  settings: RunnerSettings, *, tp: TPGroup | None = None, stage: PipelineStage | None = None,
@@ -193,6 +203,38 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         embedded = self.pooler.embed(hidden, inputs, self.batch.states)
         return self.sampler.logits(hidden, inputs), self.sampler.prompt_logprobs(hidden, inputs), embedded
+
+    # ---- pipeline parallelism: the driver's steps in flight ------------------------------
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """A pipeline driver's first half of a step: apply its changes, run the first stage
+        (which sends its hidden states on) and post the receives of the logits the last stage
+        will send back, so that the next step can be launched before they arrive."""
+        t0 = time.perf_counter()
+        self._apply_changes(out)
+        if out.is_empty:
+            return LaunchedStep(out, None, None)
+        inputs = self.batch.prepare(out, {})  # speculative decoding runs on one rank
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self.model.stage.expect_logits(self.sampler.logits_rows(inputs), self.arch.vocab_size, self.model.dtype)
+        self.phase_times["forward"] += time.perf_counter() - t0
+        return LaunchedStep(out, inputs, hidden)
+
+    def land(self, step: LaunchedStep) -> RunnerOutput:
+        """The second half, after every step launched before it has landed: receive its
+        logits, sample, keep the tokens."""
+        inputs = step.inputs
+        if inputs is None:
+            return RunnerOutput()
+        t0 = time.perf_counter()
+        logits = self.sampler.logits(step.hidden, inputs)
+        prompt_logprobs = self.sampler.prompt_logprobs(step.hidden, inputs)
+        if logits is None:
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
+        pooled = self.pooler.score(logits, inputs, self.batch.states)
+        sampled, failed = self.sampler.sample(logits, inputs, self.batch.states, {})
+        self._keep(step.out, sampled, {})
+        self.phase_times["sample"] += time.perf_counter() - t0
+        return RunnerOutput(sampled, prompt_logprobs, failed=failed, pooled=pooled)
 
     def follow(self, out: SchedulerOutput, sampled: list[tuple[str, int]]) -> None:
         """Run a step as a tensor-parallel worker: no sampling (the driver samples from the

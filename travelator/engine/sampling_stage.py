@@ -37,6 +37,13 @@ class SamplingStage:
             return None
         return self.model.compute_logits(inputs.sampled_rows(hidden))
 
+    def logits_rows(self, inputs: StepInputs) -> list[int]:
+        """The rows of each ``compute_logits`` call ``logits`` and ``prompt_logprobs`` make for
+        ``inputs``, in order (a pipeline's driver receives them as messages of these sizes)."""
+        prompt = len(inputs.prompt_rows)
+        chunks = [min(self.PROMPT_LOGITS_ROWS, prompt - i) for i in range(0, prompt, self.PROMPT_LOGITS_ROWS)]
+        return ([len(inputs.sampled_ids)] if inputs.sampled_ids else []) + chunks
+
     def sample(self, logits: torch.Tensor, inputs: StepInputs, states: dict[str, RunnerRequestState],
                drafts_of: dict[str, list[int]]) -> tuple[dict[str, list[SampledToken]], dict[str, str]]:
         """Mask, sample, accept drafts. Returns each sampled request's kept tokens, and request

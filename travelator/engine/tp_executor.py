@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from travelator.config import ModelConfig, ParallelConfig
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
-from travelator.engine.model_runner import ModelRunner, RunnerSettings
+from travelator.engine.model_runner import LaunchedStep, ModelRunner, RunnerSettings
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.engine.tp_launch import SECRET_ENV, LaunchEnv, connect_store, control_secret, host_store, launch_env
 from travelator.engine.tp_protocol import CALLS, STOP, TPWorkerSpec, decode_result, encode_call, encode_result, encode_spec
@@ -130,6 +131,11 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _close, self._g)
         self._error: str | None = None
         self._sampled: list[tuple[str, int]] = []
+        # Pipeline parallelism: the steps sent off, oldest first, and what waits until the
+        # last step message has reached every rank.
+        self._flights: deque[LaunchedStep] = deque()
+        self._delivery: Callable[[], None] | None = None
+        self.most_in_flight = 0  # the most steps in flight at once so far
         self.runner: ModelRunner | None = None  # the driver's own shard, once the group is up
         try:
             self._start(spec, arch, weights, env)
@@ -246,6 +252,7 @@ class TPExecutor:
         else:
             msg = f"tensor-parallel step failed (did a rank die?): {type(exc).__name__}: {exc}"
         self._error = msg
+        self._flights.clear()
         logger.error("%s; stopping the tensor-parallel workers", msg)
         self._g.graceful = False
         if self._g.group is not None:
@@ -274,12 +281,49 @@ class TPExecutor:
             self._ensure_alive()
             sampled, self._sampled = self._sampled, []
             try:
+                self._delivered()
                 self.group.broadcast_bytes(encode_call("step", (out, sampled)))
                 result = self.runner.execute(out)
             except Exception as exc:
                 raise self._broken(exc) from exc
             self._sampled = [(rid, tok.token_id) for rid, toks in result.sampled.items() for tok in toks]
             return result
+
+    # ---- pipeline parallelism: steps in flight ---------------------------------------------
+    def launch(self, out: SchedulerOutput) -> None:
+        """Send a step off without waiting for its tokens: the other stages take it when they
+        are done with the steps before it; the driver runs its own stage and returns."""
+        with self._g.lock:
+            self._ensure_alive()
+            sampled, self._sampled = self._sampled, []
+            try:
+                self._delivered()
+                self._delivery = self.group.post_broadcast_bytes(encode_call("step", (out, sampled)))
+                self._flights.append(self.runner.launch(out))
+                self.most_in_flight = max(self.most_in_flight, len(self._flights))
+            except Exception as exc:
+                raise self._broken(exc) from exc
+
+    def land(self) -> RunnerOutput:
+        """The tokens of the oldest step in flight."""
+        with self._g.lock:
+            self._ensure_alive()
+            try:
+                result = self.runner.land(self._flights.popleft())
+            except Exception as exc:
+                raise self._broken(exc) from exc
+            self._sampled += [(rid, tok.token_id) for rid, toks in result.sampled.items() for tok in toks]
+            return result
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._flights)
+
+    def _delivered(self) -> None:
+        """Wait until the last step message sent off has reached every rank."""
+        if self._delivery is not None:
+            delivery, self._delivery = self._delivery, None
+            delivery()
 
     @property
     def phase_times(self) -> dict[str, float]:
@@ -302,6 +346,7 @@ class TPExecutor:
         with self._g.lock:
             self._ensure_alive()
             try:
+                self._delivered()
                 self.group.broadcast_bytes(encode_call(method, args))
                 own = encode_result(method, getattr(self.worker, method)(*args))
                 results = [decode_result(method, data) for data in self.group.gather_bytes(own)]

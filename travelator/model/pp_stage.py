@@ -12,7 +12,9 @@ control group, exactly as with tensor parallelism (``tp_group``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +42,8 @@ class PipelineStage:
     group: TPGroup
     start: int
     end: int
+    # The driver's receives of logits posted ahead (``expect_logits``), oldest first.
+    _posted: deque[tuple[torch.Tensor, Any]] = field(default_factory=deque, compare=False)
 
     @staticmethod
     def of(group: TPGroup, num_layers: int) -> PipelineStage:
@@ -74,7 +78,22 @@ class PipelineStage:
         """The last stage's logits, to the driver, which samples."""
         self.group.data.send([logits.contiguous()], 0, _LOGITS_TAG).wait()
 
+    def expect_logits(self, rows: list[int], vocab_size: int, dtype: torch.dtype) -> None:
+        """Post the driver's receives of a step's logits (``rows`` per message, in the order the
+        last stage sends them) before they are read: with steps in flight the driver sends the
+        next step before it reads this one's, and the last stage must be able to send meanwhile
+        (a gloo send waits for its receive)."""
+        for n in rows:
+            buf = torch.empty(n, vocab_size, dtype=dtype, device=self.group.device)
+            self._posted.append((buf, self.group.data.recv([buf], self.group.size - 1, _LOGITS_TAG)))
+
     def receive_logits(self, rows: int, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._posted:
+            buf, work = self._posted.popleft()
+            if tuple(buf.shape) != (rows, vocab_size):
+                raise RuntimeError(f"pipeline logits of {tuple(buf.shape)} posted, {(rows, vocab_size)} read")
+            work.wait()
+            return buf
         buf = torch.empty(rows, vocab_size, dtype=dtype, device=self.group.device)
         self.group.data.recv([buf], self.group.size - 1, _LOGITS_TAG).wait()
         return buf

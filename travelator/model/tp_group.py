@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,6 +114,19 @@ class TPGroup:
         buf = torch.empty(self._frame_size(0, size), dtype=torch.uint8)
         self.ctrl.broadcast(buf, 0).wait()
         return self._auth.open(0, buf.numpy().tobytes())
+
+    def post_broadcast_bytes(self, data: bytes) -> Callable[[], None]:
+        """The driver's ``broadcast_bytes`` without waiting for the ranks to take it (a
+        pipeline stage still busy with an earlier step takes it when it is done); returns
+        what waits until every rank has."""
+        frame = self._auth.seal(data)
+        works = [self.ctrl.broadcast(torch.tensor([len(frame)], dtype=torch.long), 0),
+                 self.ctrl.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 0)]
+
+        def delivered() -> None:
+            for work in works:
+                work.wait()
+        return delivered
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
         """Every rank's ``data``, in rank order, on the driver; None elsewhere."""
