@@ -122,13 +122,14 @@ def test_an_aborted_request_in_flight_is_forgotten_after_its_step():
         sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=4), 4))
     assert run.launch()  # a's step (b's comes next: a micro-batch each)
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert sched.kv.block_ids("a") == [] and "a" not in sched.pending_freed_ids
+    assert sched.kv.block_ids("a") == []
     assert run.launch()
     assert list(run.flights[-1][0].num_scheduled_tokens) == ["b"]
     assert "a" not in run.flights[-1][0].freed_request_ids
     run.land()
-    assert sched.pending_freed_ids == ["a"]
     assert "a" not in run.outputs and "a" not in sched.requests
+    out = sched.schedule()  # b is still in flight
+    assert out.is_empty and out.freed_request_ids == ["a"]
 
 
 def test_a_request_id_in_flight_is_not_reused():

@@ -323,7 +323,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         runner: PipelinedExecutor = self.runner  # a pipeline's driver (make_executor)
         while len(self._flights) < self.steps_in_flight:
+            t_schedule = time.perf_counter()
             out = self.scheduler.schedule()
+            self._phase_times["schedule"] += time.perf_counter() - t_schedule
             if out.is_empty:
                 if self._flights:  # the runner hears of the freed ids with the next step
                     self.scheduler.return_freed(out.freed_request_ids)
@@ -333,7 +335,6 @@ class LLMEngine:
             self.scheduler.start_flight(out)
             runner.launch(out)
             self._flights.append(out)
-        self._phase_times["schedule"] += time.perf_counter() - t0
         if not self._flights:
             return []
         out = self._flights.popleft()

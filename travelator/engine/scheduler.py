@@ -280,8 +280,9 @@ class SchedulerBase:
 
     @property
     def pending_freed_ids(self) -> list[str]:
-        """Requests freed since the last step, which the runner has yet to be told to forget."""
-        return list(self._freed)
+        """Requests freed since the last step, which the runner has yet to be told to forget
+        (those of a step in flight: once it lands)."""
+        return self._freed + self._freed_in_flight
 
     def return_freed(self, request_ids: list[str]) -> None:
         """A step failed before the runner saw them: announce these ids again next step."""
