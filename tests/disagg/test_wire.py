@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import pickle
+import select
 import socket
 import threading
+import time
 
 import msgpack
 import pytest
@@ -14,6 +16,7 @@ from travelator.disagg import messages as m
 from travelator.disagg import wire
 from travelator.disagg.hosts import worker_ranks
 from travelator.disagg.link import FRONT_END, WORKER, Link, LinkClosed
+from travelator.disagg.remote import RemoteWorker
 from travelator.engine.control_codec import RefusedMessage
 from travelator.engine.outputs import RequestOutput, TokenLogprob
 from travelator.engine.request import RequestTimes
@@ -99,6 +102,27 @@ def test_the_link_passes_frames_and_refuses_a_wrong_secret_an_altered_or_a_repla
     # An end without the secret: neither side gets a link.
     front, worker = _linked(SECRET, b"another-secret-0123456789")
     assert isinstance(front, LinkClosed) and isinstance(worker, LinkClosed)
+
+
+def test_a_remote_worker_on_its_own_clock_and_its_death():
+    front, worker = _linked(SECRET, SECRET)
+    remote = RemoteWorker(m.WorkerId(m.DECODE, 0), front, "10.0.0.2")
+    # The worker's clock is 1000 s behind: its output's first token came 2 s before it reported.
+    worker_now = time.monotonic() - 1000.0
+    out = _output(None)
+    out.times = RequestTimes(worker_now - 3.0, first_token=worker_now - 2.0)
+    stats = m.WorkerStats(0, 0, 0, 0, 0, 0, {})
+    worker.send_bytes(wire.encode_event(m.Report(m.WorkerId(m.DECODE, 0), [out], stats, clock=worker_now)))
+    got = remote.recv().outputs[0].times
+    assert time.monotonic() - got.first_token == pytest.approx(2.0, abs=0.5)
+    assert got.first_token - got.arrival == pytest.approx(1.0) and got.queued is None
+    assert remote.is_alive() and not select.select([remote.sentinel], [], [], 0)[0]
+    worker.close()  # the worker's host went away
+    with pytest.raises(EOFError):
+        remote.recv()
+    assert not remote.is_alive() and select.select([remote.sentinel], [], [], 0)[0]
+    assert "connection from 10.0.0.2 ended" in remote.why
+    remote.put(m.Abort("r1"))  # to a dead worker: nothing happens
 
 
 def test_workers_are_dealt_out_over_the_ranks_in_order():
