@@ -25,7 +25,7 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from travelator.config import REQUEST_LEVEL_BATCHING, EngineConfig
@@ -151,7 +151,8 @@ class DisaggregatedFrontEnd:
         if len(local) < len(self.workers):
             self._accept_remote(launch, {w for w in self.workers if ranks[w] != 0}, spec_of)
 
-    def _accept_remote(self, launch: LaunchEnv, remote: set[m.WorkerId], spec_of) -> None:
+    def _accept_remote(self, launch: LaunchEnv, remote: set[m.WorkerId],
+                       spec_of: Callable[[m.WorkerId], DisaggWorkerSpec]) -> None:
         """Wait for the workers of the other ranks to connect (``hosts.py``)."""
         secret = control_secret(launch)
         family = socket.getaddrinfo(launch.master_addr, 0, type=socket.SOCK_STREAM)[0][0]
