@@ -3,31 +3,36 @@ to a decode process over gloo, writing them into the decode engine's pool, again
 prefill itself.
 
     python benchmarks/kv_handoff.py --model dummy:llama-50m --prompt-lens 256 1536
+    python benchmarks/kv_handoff.py --across-namespaces   # as root: the decode side on another "host"
 
-Two processes on this machine (rank 0 prefills, rank 1 decodes), each with its own engine;
-per prompt length, the median of ``--repeats`` hand-offs.
+Two processes (rank 0 prefills, rank 1 decodes), each with its own engine; per prompt length,
+the median of ``--repeats`` hand-offs. By default both run on this machine over loopback; with
+``--across-namespaces`` each runs in its own network namespace, the two joined by a veth pair
+(``tests/two_hosts.py``), and gloo binds each side's address on that link, as across hosts.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
+def _worker(rank: int, store_host: str, port: int, bind: str | None, args: argparse.Namespace) -> list[tuple]:
     import torch.distributed as dist
 
     from travelator import LLM, SamplingParams
     from travelator.disagg.kv_transport import KVChannel
 
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=300))
-    channel = KVChannel(store, rank, 2)
+    store = dist.TCPStore(store_host, port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+    channel = KVChannel(store, rank, 2, host=bind)
     engine = LLM(args.model, dtype=args.dtype, max_model_len=max(args.prompt_lens) + 16,
                  enable_prefix_caching=False).engine
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -60,7 +65,42 @@ def _worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
                 write_s = time.perf_counter() - t0
                 engine.abort_request([req.request_id])
                 rows.append((n, recv_s, write_s))
-    results.put((rank, rows))
+    return rows
+
+
+def _options(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--dtype", args.dtype, "--repeats", str(args.repeats),
+            "--prompt-lens", *map(str, args.prompt_lens)]
+
+
+def _run_pair(args: argparse.Namespace) -> dict[int, list]:
+    """Both ranks as child processes of this script (``--rank``), each printing its rows."""
+    from travelator.server.process import free_port
+
+    me = [sys.executable, str(Path(__file__).resolve())]
+    if not args.across_namespaces:
+        port = free_port()
+        argvs = [[*me, "--rank", str(r), "--store", f"127.0.0.1:{port}", *_options(args)] for r in (0, 1)]
+        return _collect(argvs)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from two_hosts import two_hosts
+
+    with two_hosts() as (first, second):
+        store = f"{first.address}:29501"
+        argvs = [h.command([*me, "--rank", str(r), "--store", store, "--bind", h.address, *_options(args)])
+                 for r, h in enumerate((first, second))]
+        received = second.link_bytes()[0]
+        got = _collect(argvs)
+        print(f"bytes received on the decode side's link: {second.link_bytes()[0] - received}")
+        return got
+
+
+def _collect(argvs: list[list[str]]) -> dict[int, list]:
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, text=True) for a in argvs]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
+    return {r: json.loads(out.strip().splitlines()[-1]) for r, out in enumerate(outs)}
 
 
 def main() -> None:
@@ -69,28 +109,31 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[256, 1536])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--across-namespaces", action="store_true",
+                    help="the decode side in another network namespace, over a veth pair (needs root)")
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a child: one side
+    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bind", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rank is not None:
+        host, port = args.store.rsplit(":", 1)
+        print(json.dumps(_worker(args.rank, host, int(port), args.bind, args)))
+        return
 
-    from travelator.server.process import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, args, results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
-    print(f"{args.model} {args.dtype}, medians of {args.repeats} hand-offs per prompt length")
-    print("| prompt tokens | KV MB | prefill, read included (ms) | read (ms) | send (ms) | receive (ms) | write (ms) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    got = _run_pair(args)
+    where = "across two network namespaces (veth)" if args.across_namespaces else "on one machine (loopback)"
+    print(f"{args.model} {args.dtype}, {where}, medians of {args.repeats} hand-offs per prompt length")
+    print("| prompt tokens | KV MB | prefill, read included (ms) | read (ms) | send (ms) | receive (ms) "
+          "| write (ms) | receive (ms/MB) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in args.prompt_lens:
         sent = [r for r in got[0] if r[0] == n]
         recv = [r for r in got[1] if r[0] == n]
         med = lambda xs: statistics.median(xs) * 1000  # noqa: E731
-        print(f"| {n} | {sent[0][1] / 1e6:.1f} | {med([r[2] for r in sent]):.0f} | {med([r[3] for r in sent]):.1f} "
-              f"| {med([r[4] for r in sent]):.1f} | {med([r[1] for r in recv]):.1f} | {med([r[2] for r in recv]):.1f} |")
+        mb = sent[0][1] / 1e6
+        print(f"| {n} | {mb:.1f} | {med([r[2] for r in sent]):.0f} | {med([r[3] for r in sent]):.1f} "
+              f"| {med([r[4] for r in sent]):.1f} | {med([r[1] for r in recv]):.1f} | {med([r[2] for r in recv]):.1f} "
+              f"| {med([r[1] for r in recv]) / mb:.2f} |")
 
 
 if __name__ == "__main__":

@@ -77,8 +77,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from travelator.disagg.frontend import DisaggConfig, DisaggregatedFrontEnd
         from travelator.engine_args import engine_config
 
+        from travelator.engine.tp_launch import launch_env
+
         disagg = DisaggConfig.parse(args.disaggregate)
         disagg.threads_per_worker = args.worker_threads
+        disagg.launch = launch_env()  # under torchrun: rank 0 serves, the others run workers
+        if disagg.launch is not None and disagg.launch.rank != 0:
+            from travelator.disagg.hosts import serve_worker_rank
+
+            return serve_worker_rank(disagg, disagg.launch)
         client = DisaggregatedFrontEnd(engine_config(model, **engine_kwargs(args)), disagg)
         layout = f"; {disagg.num_prefill} prefill and {disagg.num_decode} decode workers"
     else:
@@ -204,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--disaggregate", default=None, metavar="P:D",
                      help="prefill/decode disaggregation: P prefill and D decode worker processes, each "
                           "with its own engine and KV pool; the KV of each prompt moves from a prefill "
-                          "to a decode worker over gloo (e.g. 1:2; default: one engine)")
+                          "to a decode worker over gloo (e.g. 1:2; default: one engine); under torchrun "
+                          "--nnodes N the workers are dealt out over the ranks and rank 0 serves")
     srv.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                      help="N replicas, each a whole engine in its own process on its own share of the "
                           "cores, behind this one endpoint; requests go where their prefix went "

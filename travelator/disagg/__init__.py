@@ -8,4 +8,7 @@ the KV of each prompt moves from the prefill worker to a decode worker over gloo
 - ``kv_transport.py``: a prefill worker's KV to a decode worker, gloo point-to-point.
 - ``frontend.py``: ``DisaggregatedFrontEnd``, the server's ``EngineClient`` over the workers;
   ``front_report.py``: what it reports of them (snapshot, self-check, per-worker metrics).
+- Across hosts, under torchrun: ``hosts.py`` (which rank runs which worker; the other ranks'
+  side), ``remote.py`` (the front end's side), ``link.py`` (one authenticated TCP connection
+  per worker) and ``wire.py`` (the messages as msgpack, no pickles).
 """

@@ -16,25 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-
-import torch.distributed as dist
 
 from travelator.config import REQUEST_LEVEL_BATCHING, EngineConfig
 from travelator.disagg import messages as m
 from travelator.disagg.front_report import WorkerMetrics, combine_reports, front_snapshot
+from travelator.disagg.hosts import publish_front_end, worker_ranks
 from travelator.disagg.placement import Placement
+from travelator.disagg.remote import RemoteWorker, accept_workers
 from travelator.disagg.router import Router
 from travelator.disagg.worker import DisaggWorkerSpec, run_worker
 from travelator.engine.client import (
@@ -51,6 +50,7 @@ from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.outputs import RequestOutput
 from travelator.engine.request import Request
 from travelator.engine.request_factory import RequestFactory
+from travelator.engine.tp_launch import LaunchEnv, connect_store, control_secret, host_store
 from travelator.model.loader import open_model
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ class DisaggConfig:
     num_decode: int = 1
     threads_per_worker: int | None = None  # default: this machine's cores shared out
     start_timeout_s: float = 300.0
+    # Under torchrun: this is rank 0, and the other ranks run the workers dealt to them
+    # (``hosts.py``). None: every worker on this machine.
+    launch: LaunchEnv | None = None
 
     def validate(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -100,8 +103,11 @@ class DisaggregatedFrontEnd:
         self._checks: dict[int, tuple[asyncio.Future, dict[m.WorkerId, dict]]] = {}
         self._check_ids = itertools.count()
         self._stopped = threading.Event()
-        self._start_workers()
+        self.processes: dict[m.WorkerId, multiprocessing.Process | RemoteWorker] = {}
+        self._commands: dict[m.WorkerId, object] = {}  # each worker's queue, or its connection
+        self._event_pipes: dict[object, m.WorkerId] = {}  # each worker's own (see run_worker)
         try:
+            self._start_workers()
             ready = self._wait_ready(disagg.start_timeout_s)
         except BaseException:
             self.stop(1.0)
@@ -116,24 +122,47 @@ class DisaggregatedFrontEnd:
         self.metric_collectors = (WorkerMetrics(self),)
 
     def _start_workers(self) -> None:
-        config, disagg = self.config, self.disagg
+        disagg, launch = self.disagg, self.disagg.launch
+        ranks = worker_ranks(disagg.num_prefill, disagg.num_decode, launch.world_size if launch else 1)
+        local = [w for w in self.workers if ranks[w] == 0]
+        # Across hosts the KV store and the workers' connections listen where the other hosts
+        # reach this one, and gloo binds that address.
+        host = launch.master_addr if launch else "127.0.0.1"
+        self._store = host_store(host, 0, 1, disagg.start_timeout_s)
+        threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(local))
+
+        def spec_of(w: m.WorkerId) -> DisaggWorkerSpec:
+            on_host = sum(r == ranks[w] for r in ranks.values())  # their KV pools share its memory
+            config = dataclasses.replace(self.config, cache=dataclasses.replace(
+                self.config.cache, kv_memory_share=self.config.cache.kv_memory_share / on_host))
+            return DisaggWorkerSpec(w, config, host, self._store.port, disagg.num_prefill, disagg.num_decode,
+                                    threads, os.getpid(), disagg.start_timeout_s, host if launch else None)
+
         ctx = multiprocessing.get_context("spawn")
-        self._event_pipes: dict[Connection, m.WorkerId] = {}  # each worker's own (see run_worker)
-        self._commands = {w: ctx.Queue() for w in self.workers}
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=disagg.start_timeout_s))
-        threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(self.workers))
-        self.processes: dict[m.WorkerId, multiprocessing.Process] = {}
-        for w in self.workers:
-            spec = DisaggWorkerSpec(w, config, "127.0.0.1", self._store.port, disagg.num_prefill,
-                                    disagg.num_decode, threads, os.getpid(), disagg.start_timeout_s)
+        for w in local:
+            self._commands[w] = ctx.Queue()
             events, worker_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_worker, args=(spec, self._commands[w], worker_end),
+            proc = ctx.Process(target=run_worker, args=(spec_of(w), self._commands[w], worker_end),
                                name=f"travelator-{w.role}-{w.index}", daemon=True)
             proc.start()
             worker_end.close()  # the worker holds it now: its exit ends the stream
             self._event_pipes[events] = w
             self.processes[w] = proc
+        if len(local) < len(self.workers):
+            self._accept_remote(launch, {w for w in self.workers if ranks[w] != 0}, spec_of)
+
+    def _accept_remote(self, launch: LaunchEnv, remote: set[m.WorkerId],
+                       spec_of: Callable[[m.WorkerId], DisaggWorkerSpec]) -> None:
+        """Wait for the workers of the other ranks to connect (``hosts.py``)."""
+        secret = control_secret(launch)
+        family = socket.getaddrinfo(launch.master_addr, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((launch.master_addr, 0), family=family) as listener:
+            self._launch_store = connect_store(launch)  # kept: under a plain launcher this rank hosts it
+            publish_front_end(self._launch_store, launch.master_addr, listener.getsockname()[1])
+            connected = accept_workers(listener, remote, secret, spec_of, self.disagg.start_timeout_s)
+        for w, worker in connected.items():
+            self.processes[w] = self._commands[w] = worker
+            self._event_pipes[worker] = w
 
     def _wait_ready(self, timeout_s: float) -> dict[m.WorkerId, m.Ready]:
         ready: dict[m.WorkerId, m.Ready] = {}
@@ -141,7 +170,7 @@ class DisaggregatedFrontEnd:
         while len(ready) < len(self.workers):
             for w, proc in self.processes.items():
                 if not proc.is_alive() and w not in ready:
-                    raise RuntimeError(f"the {w} exited with code {proc.exitcode} before it was ready")
+                    raise RuntimeError(f"the {w} ended ({_exit_reason(proc)}) before it was ready")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the workers were not ready in {timeout_s} s")
             for ev in self._receive_events(0.5):
@@ -292,8 +321,8 @@ class DisaggregatedFrontEnd:
                 continue
             proc = self.processes[peer]
             proc.join(1.0)
-            if proc.exitcode is not None:
-                self._on_death(peer, f"exit code {proc.exitcode}")
+            if not proc.is_alive():
+                self._on_death(peer, _exit_reason(proc))
             else:  # alive: its pair broke; its requests fail with the transfer error, once waited for
                 self._broken_links.add(peer)
         delivered = self.router.on_report(rep)
@@ -318,11 +347,11 @@ class DisaggregatedFrontEnd:
                 if self._stopped.is_set():
                     return
                 self.processes[w].join(1.0)  # reap it, for its exit code
-                code = self.processes[w].exitcode
+                why = _exit_reason(self.processes[w])
                 try:
-                    self._loop.call_soon_threadsafe(self._on_death, w, f"exit code {code}")
+                    self._loop.call_soon_threadsafe(self._on_death, w, why)
                 except RuntimeError:  # that loop has closed; the next start() sees it dead
-                    self.dead.setdefault(w, f"exit code {code}")
+                    self.dead.setdefault(w, why)
 
     def _on_death(self, worker: m.WorkerId, why: str) -> None:
         if worker in self.dead or self._stopped.is_set():
@@ -359,9 +388,15 @@ class DisaggregatedFrontEnd:
         return combine_reports(self, reports)
 
 
+def _exit_reason(proc: multiprocessing.Process | RemoteWorker) -> str:
+    if isinstance(proc, RemoteWorker):
+        return proc.why or "its connection ended"
+    return f"exit code {proc.exitcode}"
+
+
 def _worker_config(config: EngineConfig, disagg: DisaggConfig) -> EngineConfig:
-    """``config`` checked for disaggregation, each worker's engine given its share of memory
-    (each would otherwise take the machine's free memory for itself)."""
+    """``config`` checked for disaggregation (each worker's share of its host's memory is set
+    in its spec)."""
     disagg.validate()
     config.validate()
     if config.parallel.tensor_parallel_size > 1:
@@ -374,9 +409,7 @@ def _worker_config(config: EngineConfig, disagg: DisaggConfig) -> EngineConfig:
     if config.cache.kv_events() is not None:
         raise ValueError("--kv-events-config publishes one engine's cache: with --disaggregate every "
                          "worker would bind the same endpoint (not supported yet)")
-    workers = disagg.num_prefill + disagg.num_decode
-    return dataclasses.replace(config, cache=dataclasses.replace(
-        config.cache, kv_memory_share=config.cache.kv_memory_share / workers))
+    return config
 
 
 def _validation(config: EngineConfig, max_model_len: int) -> tuple[ServedModel, RequestFactory]:

@@ -4,7 +4,9 @@ A prefill worker sends each ``KVHandoff`` to a decode worker: a small header (th
 tokens and the data's shape, as JSON: nothing received is unpickled) and then the K/V one layer at a time, every send
 queued at once so that gloo moves a layer while the next is handed over. The receiver
 allocates each layer's buffer from the header. The group is built from a store, with no
-process-wide default group, as the tensor-parallel group (``model/tp_group.py``) is.
+process-wide default group, as the tensor-parallel group (``model/tp_group.py``) is. Across
+hosts, each end binds gloo to the address its peer reaches it at (``host``); without one, gloo
+picks its interface itself (``GLOO_SOCKET_IFNAME``, else what the hostname resolves to).
 """
 
 from __future__ import annotations
@@ -34,11 +36,19 @@ class TransferStats:
 class KVChannel:
     """This process's end of the hand-off group: ``rank`` of ``size`` ranks."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float = 600.0) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float = 600.0,
+                 host: str | None = None) -> None:
         self.rank = rank
         self.size = size
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("kv/", store), rank, size,
-                                           datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.PrefixStore("kv/", store)
+        if host is None:
+            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            self.group = dist.ProcessGroupGloo(store, rank, size, options)
         self.sent = TransferStats()
         self.received = TransferStats()
 

@@ -1,14 +1,16 @@
 """What the front end and the workers of a disaggregated server tell each other.
 
 Commands go to one worker through its own queue (multiprocessing, FIFO); its events come
-back through its own pipe. Both carry these dataclasses (pickled between processes
-this server started, on one machine). KV data never goes through them: it moves between a
+back through its own pipe. Both carry these dataclasses: pickled between processes this server
+started on its own machine, and as signed msgpack (``wire.py``, ``link.py``) over one TCP
+connection per worker on another host. KV data never goes through them: it moves between a
 prefill and a decode worker over gloo (``kv_transport.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from travelator.engine.engine import StepStats
 from travelator.engine.outputs import RequestOutput
@@ -95,7 +97,7 @@ class WorkerStats:
     cached_blocks: int
     running: int
     waiting: int
-    counters: dict  # dataclasses.asdict(EngineCounters)
+    counters: dict[str, Any]  # dataclasses.asdict(EngineCounters)
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     # Decode: hand-offs received but not admitted yet (no room, or not expected yet).
@@ -123,13 +125,16 @@ class Report:
     # Prefill: decode workers a KV send failed to (the front end checks whether they died).
     lost_peers: list[int] = field(default_factory=list)
     step: StepStats | None = None  # the step this report follows (None: none ran)
+    # The worker's time.monotonic() when it sent this: a worker on another host has its own
+    # clock, so the front end moves its outputs' moments onto its own by this.
+    clock: float = 0.0
 
 
 @dataclass(slots=True)
 class CheckReport:
     worker: WorkerId
     token: int
-    report: dict
+    report: dict[str, Any]
 
 
 @dataclass(slots=True)

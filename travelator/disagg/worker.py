@@ -44,6 +44,7 @@ from travelator.engine.tp_worker import watch_parent
 logger = logging.getLogger(__name__)
 
 IDLE_REPORT_S = 1.0
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(slots=True)
@@ -60,6 +61,9 @@ class DisaggWorkerSpec:
     threads: int
     parent_pid: int
     connect_timeout_s: float = 300.0
+    # The address gloo binds for the KV pairs, one the other hosts reach (None: gloo's choice,
+    # on one machine).
+    kv_host: str | None = None
 
 
 # Inbox items from the worker's own threads.
@@ -82,21 +86,27 @@ class _SendFailed:
     error: str
 
 
-def pair_channel(store: dist.Store, prefill: int, decode: int, role: str, timeout_s: float) -> KVChannel:
+def pair_channel(store: dist.Store, prefill: int, decode: int, role: str, timeout_s: float,
+                 host: str | None = None) -> KVChannel:
     """The gloo pair of one prefill and one decode worker: rank 0 the prefill side. A pair
     per couple, so that a worker that dies breaks only its own pairs."""
     return KVChannel(dist.PrefixStore(f"pair/{prefill}-{decode}/", store), 0 if role == m.PREFILL else 1, 2,
-                     timeout_s=timeout_s)
+                     timeout_s=timeout_s, host=host)
 
 
 def run_worker(spec: DisaggWorkerSpec, commands, events: Connection) -> None:
     """The process's entry point (multiprocessing, spawn). ``events`` is this worker's own pipe
     to the front end: a worker killed in the middle of a message breaks only its own stream (a
-    queue shared by all workers would stay locked by it, and every other worker's reports with it)."""
+    queue shared by all workers would stay locked by it, and every other worker's reports with it).
+    On another host both are its connection to the front end (``hosts.FrontEndLink``)."""
     logging.basicConfig(level=os.environ.get("TRAVELATOR_LOG_LEVEL", "WARNING"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     threading.Thread(target=watch_parent, args=(spec.parent_pid,), daemon=True).start()
     torch.set_num_threads(spec.threads)
+    # Under torchrun this process inherits the launch environment, which describes the hosts
+    # of the disaggregated server; its own engine is one rank (else it would wait for a group).
+    for name in LAUNCH_VARIABLES:
+        os.environ.pop(name, None)
     try:
         engine = LLMEngine(spec.config)
         store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
@@ -156,6 +166,7 @@ class _WorkerLoop:
             if stepped or self._outputs or self._failed or self.has_news() or now - last_report >= IDLE_REPORT_S:
                 report = self.report(self._outputs, self._failed)
                 report.step = self.engine.last_step if stepped else None
+                report.clock = time.monotonic()
                 self.events.send(report)
                 self.after_report()
                 self._outputs, self._failed = [], {}
@@ -230,7 +241,7 @@ class PrefillLoop(_WorkerLoop):
         self.lost_peers: set[int] = set()  # decode workers a send failed to, since the last report
         self.outboxes: list[queue.SimpleQueue] = []
         for d in range(spec.num_decode):
-            channel = pair_channel(store, spec.worker.index, d, m.PREFILL, spec.connect_timeout_s)
+            channel = pair_channel(store, spec.worker.index, d, m.PREFILL, spec.connect_timeout_s, spec.kv_host)
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             self.channels.append(channel)
             self.outboxes.append(outbox)
@@ -304,7 +315,7 @@ class DecodeLoop(_WorkerLoop):
         self.ready: deque[tuple[m.Expect, KVHandoff]] = deque()  # waiting for room in the pool
         self.admitted: list[str] = []
         for p in range(spec.num_prefill):
-            channel = pair_channel(store, p, spec.worker.index, m.DECODE, spec.connect_timeout_s)
+            channel = pair_channel(store, p, spec.worker.index, m.DECODE, spec.connect_timeout_s, spec.kv_host)
             self.channels.append(channel)
             threading.Thread(target=self._receive_loop, args=(p, channel), daemon=True,
                              name=f"travelator-kv-recv-{p}").start()
