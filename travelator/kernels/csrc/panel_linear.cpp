@@ -34,6 +34,7 @@ constexpr int64_t kRows = 6;   // rows of a group: 12 accumulators
 constexpr int64_t kSlice = 256;  // k a pass takes: a widened panel slice of 16 KB, kept in L1
 constexpr int64_t kTileBytes = 384 << 10;  // widened rows of x taken together, kept in L2
 constexpr int64_t kMinTileRows = 16 * kRows;  // so a panel slice, widened once, serves many groups
+constexpr int64_t kFewGroups = 3;  // up to this many groups of rows read the bf16 panel directly
 
 // x[0, n) widened to float32 (exact).
 void widen(const c10::BFloat16* x, int64_t n, float* out) {
@@ -42,16 +43,17 @@ void widen(const c10::BFloat16* x, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
-// acc[r][0..16) += sum over k < kc of a[r][k] * b[k][0..16), for R rows of a (row stride lda).
-template <int64_t R>
-inline void micro(const float* a, int64_t lda, const float* b, int64_t kc, float* acc) {
+// acc[r][0..16) += sum over k < kc of a[r][k] * b[k][0..16), for R rows of a (row stride lda);
+// b float32 (a widened slice) or bf16 (the panel itself, widened in registers).
+template <int64_t R, typename B>
+inline void micro(const float* a, int64_t lda, const B* b, int64_t kc, float* acc) {
   __m256 s[R][2];
   for (int64_t r = 0; r < R; ++r) {
     s[r][0] = _mm256_loadu_ps(acc + r * kCols);
     s[r][1] = _mm256_loadu_ps(acc + r * kCols + 8);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 b0 = _mm256_load_ps(b + k * kCols), b1 = _mm256_load_ps(b + k * kCols + 8);
+    const __m256 b0 = v8::load(b + k * kCols), b1 = v8::load(b + k * kCols + 8);
     for (int64_t r = 0; r < R; ++r) {
       const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);
       s[r][0] = _mm256_fmadd_ps(ar, b0, s[r][0]);
@@ -64,8 +66,8 @@ inline void micro(const float* a, int64_t lda, const float* b, int64_t kc, float
   }
 }
 
-template <int64_t R = kRows>
-inline void micro_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t kc, float* acc) {
+template <int64_t R = kRows, typename B>
+inline void micro_rows(int64_t rows, const float* a, int64_t lda, const B* b, int64_t kc, float* acc) {
   if constexpr (R > 1) {
     if (rows < R) return micro_rows<R - 1>(rows, a, lda, b, kc, acc);
   }
@@ -83,15 +85,26 @@ struct Problem {
 void tile(const Problem& p, const float* xw, int64_t m0, int64_t rows, int64_t begin, int64_t end) {
   alignas(64) float slice[kSlice * kCols];
   std::vector<float> acc(rows * kCols);
+  // Rows dealt out evenly (8 rows: 4 and 4, not 6 and 2): a group of few rows has too few
+  // independent sums to hide the multiply-add's latency, so it costs nearly a full one.
+  const int64_t groups = (rows + kRows - 1) / kRows, base = rows / groups, extra = rows % groups;
+  // Few groups: widening a slice once would serve too few of them; each widens it in registers.
+  const bool widen_slices = groups > kFewGroups;
   for (int64_t nb = begin; nb < end; ++nb) {
     const c10::BFloat16* panel = p.w + nb * p.K * kCols;
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t k0 = 0; k0 < p.K; k0 += kSlice) {
       const int64_t kc = std::min(kSlice, p.K - k0);
-      for (int64_t i = 0; i < kc * kCols; i += 8) v8::store(slice + i, v8::load(panel + k0 * kCols + i));
-      for (int64_t g = 0; g * kRows < rows; ++g)
-        micro_rows(std::min(kRows, rows - g * kRows), xw + g * kRows * p.K + k0, p.K, slice, kc,
-                   acc.data() + g * kRows * kCols);
+      if (widen_slices)
+        for (int64_t i = 0; i < kc * kCols; i += 8) v8::store(slice + i, v8::load(panel + k0 * kCols + i));
+      for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+        const int64_t n = base + (g < extra ? 1 : 0);
+        if (widen_slices)
+          micro_rows(n, xw + r0 * p.K + k0, p.K, slice, kc, acc.data() + r0 * kCols);
+        else
+          micro_rows(n, xw + r0 * p.K + k0, p.K, panel + k0 * kCols, kc, acc.data() + r0 * kCols);
+        r0 += n;
+      }
     }
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t j = 0; j < kCols; j += 8) {
