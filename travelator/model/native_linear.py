@@ -3,11 +3,12 @@
 ``prepare`` gives every bf16 CPU weight its route (``LinearRoute``) and the copy that route
 multiplies: laid out in blocks of 64 columns for travelator's own ``blocked_linear`` on CPUs
 with AVX512-BF16 and no AMX (faster than oneDNN there at a decode step's rows), pre-packed for
-oneDNN elsewhere (so no linear layer reorders its weight at every call), or widened to float32
-and packed on CPUs where oneDNN has no bf16 GEMM. A float32 weight is packed for oneDNN's
-float32 GEMM. A call only follows the route; within the
-oneDNN routes, steps of a few rows stream the natural-layout weight through ``small_m_linear``
-instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows, and are
+oneDNN elsewhere (so no linear layer reorders its weight at every call), and on AVX2 CPUs,
+where oneDNN has no bf16 GEMM, laid out in panels of 16 columns for travelator's own
+``panel_linear`` (float32 sums over the bf16 weight; widened to float32 and packed for oneDNN
+where that kernel is not built or the columns do not divide). A float32 weight is packed for
+oneDNN's float32 GEMM. A call only follows the route; within the oneDNN and panel routes,
+steps of a few rows stream the natural-layout weight through ``small_m_linear`` instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows, and are
 dequantized past that; where there is no bf16 GEMM (AVX2), int8 weights take the W8A8 kernel
 from ``W8A8_ROWS`` rows instead. The native layer stack reads the same routes
 (``streaming_linear``).
@@ -47,6 +48,8 @@ INVARIANT_ROWS = 64
 DEQUANT_TILES = 32
 # Output columns of a block of a blocked_linear weight (csrc/blocked_linear.cpp).
 BLOCK_COLUMNS = 64
+# Output columns of a panel of a panel_linear weight (csrc/panel_linear.cpp).
+PANEL_COLUMNS = 16
 
 Rows = Callable[[torch.Tensor], torch.Tensor]
 
@@ -58,13 +61,20 @@ def blocked_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // BLOCK_COLUMNS, BLOCK_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def panel_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 16, K, 16]: for each 16 output columns, every k in order, the columns'
+    weights side by side (the layout of csrc/panel_linear.cpp)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // PANEL_COLUMNS, PANEL_COLUMNS, k).transpose(1, 2).contiguous()
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedLinear:
     """A bf16 or float32 weight as loaded, its route, and the copy that route multiplies."""
 
     route: LinearRoute
     weight: torch.Tensor  # natural [N, K] layout: small_m_linear streams it
-    copy: torch.Tensor  # blocked_linear's layout, or oneDNN-packed (bf16 or float32)
+    copy: torch.Tensor  # blocked_linear's or panel_linear's layout, or oneDNN-packed (bf16 or float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,7 @@ class NativeLinear:
         # the weights only), so a biased layer does not convert its bias at every call.
         self._widened_biases: dict[torch.Tensor, torch.Tensor] = {}
         self._blocked_built = hasattr(self._ops, "blocked_linear")  # AVX512-BF16 without AMX
+        self._panels_built = hasattr(self._ops, "panel_linear")  # AVX2 without AVX-512
         # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_built = not batch_invariant and hasattr(self._ops, "small_m_linear")
@@ -162,7 +173,9 @@ class NativeLinear:
             return PreparedLinear(LinearRoute.BLOCKED, w, blocked_linear_weight(w))
         if self._bf16_gemm:
             return PreparedLinear(LinearRoute.ONEDNN_BF16, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        # The bf16 weight stays (small_m_linear reads it) beside its float32 copy.
+        # The bf16 weight stays (small_m_linear reads it) beside its panels or float32 copy.
+        if self._panels_built and n % PANEL_COLUMNS == 0 and k > 0:
+            return PreparedLinear(LinearRoute.PANELS, w, panel_linear_weight(w))
         wide = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None)
         return PreparedLinear(LinearRoute.ONEDNN_FLOAT32, w, wide)
 
@@ -186,6 +199,9 @@ class NativeLinear:
                 and x.dtype == torch.bfloat16):
             # A few rows only stream the weights: read in their natural layout.
             return self._ops.small_m_linear(x.contiguous(), weight)
+        if prepared.route is LinearRoute.PANELS:
+            # Each row's sums follow k in order alone: invariant without fixed tiles.
+            return _over_rows(partial(self._ops.panel_linear, w=prepared.copy, bias=bias), x)
         if prepared.route is LinearRoute.ONEDNN_FLOAT32:
             return self._gemm(partial(_widened_gemm, prepared.copy, self._widened_bias(bias)), x)
         return self._gemm(partial(_onednn_gemm, prepared.copy, bias), x)

@@ -18,6 +18,7 @@ _ROUTE_WORDS = {
     LinearRoute.INT4: "int4 kernel",
     LinearRoute.INT4_FP4: "fp4 (MXFP4) kernel",
     LinearRoute.BLOCKED: "blocked bf16 kernel",
+    LinearRoute.PANELS: "bf16 weights, float32 panel kernel",
 }
 
 

@@ -20,4 +20,7 @@ enum class LinearRoute : int64_t {
   kOnednnFloat32 = 4,
   // int4 weight whose codes are e2m1 (MXFP4): as kInt4, through quant_common.h's levels.
   kInt4Fp4 = 5,
+  // bf16 weight laid out in 16-column panels for panel_linear (AVX2: float32 sums, no bf16
+  // GEMM); a few rows stream the weight as loaded, as kOnednnBf16.
+  kPanels = 6,
 };

@@ -74,12 +74,14 @@ std::vector<Group> group_pairs(const at::Tensor& experts, int64_t num_experts, s
   return groups;
 }
 
-// Every expert's projections stream bf16 weights through small_m_linear (the oneDNN routes, no
+// Every expert's projections stream bf16 weights through small_m_linear (the oneDNN and panel routes, no
 // bias): then the fused passes serve them.
 bool all_small_m(const c10::List<std::optional<at::Tensor>>& tensors, c10::IntArrayRef ints) {
   for (size_t i = 0; i < ints.size() / 3; ++i) {
     const auto route = static_cast<LinearRoute>(ints[3 * i]);
-    if ((route != LinearRoute::kOnednnBf16 && route != LinearRoute::kOnednnFloat32) || tensors.get(3 * i + 2).has_value())
+    const bool streams = route == LinearRoute::kOnednnBf16 || route == LinearRoute::kOnednnFloat32 ||
+                         route == LinearRoute::kPanels;
+    if (!streams || tensors.get(3 * i + 2).has_value())
       return false;
   }
   return true;

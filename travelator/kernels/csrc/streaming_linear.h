@@ -3,7 +3,7 @@
 // and a linear layer by its route, as ops.NativeOps.linear computes it.
 //
 // A linear layer i is three entries of `tensors` (a, b, bias) and of `ints` (route, group, N),
-// its route one of linear_route.h's: the oneDNN routes stream bf16 weight a through
+// its route one of linear_route.h's: the oneDNN and panel routes stream bf16 weight a through
 // small_m_linear (no bias: the Python layer takes the GEMM then), the others as that header says.
 #pragma once
 
@@ -73,6 +73,7 @@ inline T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c1
   switch (route) {
     case LinearRoute::kOnednnBf16:
     case LinearRoute::kOnednnFloat32:
+    case LinearRoute::kPanels:
       TORCH_CHECK(k.small_m.has_value() && !bias.has_value(), "no streaming kernel for linear layer ", i);
       return k.small_m->call(x.contiguous(), *a);
     case LinearRoute::kBlocked:

@@ -1,0 +1,153 @@
+// y = x W^T (+ bias) for bf16 x and W on AVX2 + FMA CPUs, which have no bf16 GEMM: each bf16
+// product is exact in float32, so widening both sides and summing in float32 is a bf16 GEMM
+// with float32 sums, as oneDNN's is where it has one. W is laid out once at load in panels of
+// 16 output columns, [N / 16][K][16], and stays bf16: half the bytes of a float32 copy.
+//
+// The micro-kernel keeps 6 rows x 16 columns of sums in 12 registers (two weight vectors and
+// one broadcast of x take 3 more of the 16). Rows of x are widened a tile at a time (kept in
+// L2); a panel's weights are widened a slice of k at a time into a buffer that stays in L1
+// while every group of 6 rows of the tile passes over it. Panels are split over threads.
+//
+// Each output is a float32 sum over k in order, one fused multiply-add per k: whatever M is
+// and however rows and columns are split, a row's result never depends on the other rows.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "vec8.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#if defined(TRAVELATOR_VEC8)
+namespace {
+
+namespace v8 = travelator::vec8;
+
+constexpr int64_t kCols = 16;  // a panel: two 8-lane vectors
+constexpr int64_t kRows = 6;   // rows of a group: 12 accumulators
+constexpr int64_t kSlice = 256;  // k a pass takes: a widened panel slice of 16 KB, kept in L1
+constexpr int64_t kTileBytes = 384 << 10;  // widened rows of x taken together, kept in L2
+constexpr int64_t kMinTileRows = 16 * kRows;  // so a panel slice, widened once, serves many groups
+constexpr int64_t kFewGroups = 3;  // up to this many groups of rows read the bf16 panel directly
+
+// x[0, n) widened to float32 (exact).
+void widen(const c10::BFloat16* x, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) v8::store(out + i, v8::load(x + i));
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+// acc[r][0..16) += sum over k < kc of a[r][k] * b[k][0..16), for R rows of a (row stride lda);
+// b float32 (a widened slice) or bf16 (the panel itself, widened in registers).
+template <int64_t R, typename B>
+inline void micro(const float* a, int64_t lda, const B* b, int64_t kc, float* acc) {
+  __m256 s[R][2];
+  for (int64_t r = 0; r < R; ++r) {
+    s[r][0] = _mm256_loadu_ps(acc + r * kCols);
+    s[r][1] = _mm256_loadu_ps(acc + r * kCols + 8);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = v8::load(b + k * kCols), b1 = v8::load(b + k * kCols + 8);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + r * lda + k);
+      s[r][0] = _mm256_fmadd_ps(ar, b0, s[r][0]);
+      s[r][1] = _mm256_fmadd_ps(ar, b1, s[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * kCols, s[r][0]);
+    _mm256_storeu_ps(acc + r * kCols + 8, s[r][1]);
+  }
+}
+
+template <int64_t R = kRows, typename B>
+inline void micro_rows(int64_t rows, const float* a, int64_t lda, const B* b, int64_t kc, float* acc) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_rows<R - 1>(rows, a, lda, b, kc, acc);
+  }
+  micro<R>(a, lda, b, kc, acc);
+}
+
+struct Problem {
+  const c10::BFloat16* w;  // [N / 16][K][16]
+  const float* bias;       // [N] or null
+  c10::BFloat16* y;        // [M][N]
+  int64_t K, N;
+};
+
+// Rows [m0, m0 + rows) of y for panels [begin, end), from those rows of x widened.
+void tile(const Problem& p, const float* xw, int64_t m0, int64_t rows, int64_t begin, int64_t end) {
+  alignas(64) float slice[kSlice * kCols];
+  std::vector<float> acc(rows * kCols);
+  // Rows dealt out evenly (8 rows: 4 and 4, not 6 and 2): a group of few rows has too few
+  // independent sums to hide the multiply-add's latency, so it costs nearly a full one.
+  const int64_t groups = (rows + kRows - 1) / kRows, base = rows / groups, extra = rows % groups;
+  // Few groups: widening a slice once would serve too few of them; each widens it in registers.
+  const bool widen_slices = groups > kFewGroups;
+  for (int64_t nb = begin; nb < end; ++nb) {
+    const c10::BFloat16* panel = p.w + nb * p.K * kCols;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k0 = 0; k0 < p.K; k0 += kSlice) {
+      const int64_t kc = std::min(kSlice, p.K - k0);
+      if (widen_slices)
+        for (int64_t i = 0; i < kc * kCols; i += 8) v8::store(slice + i, v8::load(panel + k0 * kCols + i));
+      for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+        const int64_t n = base + (g < extra ? 1 : 0);
+        if (widen_slices)
+          micro_rows(n, xw + r0 * p.K + k0, p.K, slice, kc, acc.data() + r0 * kCols);
+        else
+          micro_rows(n, xw + r0 * p.K + k0, p.K, panel + k0 * kCols, kc, acc.data() + r0 * kCols);
+        r0 += n;
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < kCols; j += 8) {
+        __m256 s = _mm256_loadu_ps(&acc[m * kCols + j]);
+        if (p.bias != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(p.bias + nb * kCols + j));
+        v8::store(p.y + (m0 + m) * p.N + nb * kCols + j, s);
+      }
+  }
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "panel_linear: x must be contiguous bf16 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(2) == kCols,
+              "panel_linear: w must be a panel bf16 weight [N / 16, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kCols;
+  TORCH_CHECK(w.size(1) == K, "panel_linear: x has ", K, " columns, the weight ", w.size(1));
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "panel_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Problem p{w.data_ptr<c10::BFloat16>(), bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                  y.data_ptr<c10::BFloat16>(), K, N};
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  // Rows a tile at a time, every panel passing over a tile: the widened tile is read from L2.
+  const int64_t tile_rows = std::max(kMinTileRows, kTileBytes / (4 * std::max<int64_t>(K, 1)) / kRows * kRows);
+  std::vector<float> xw(std::min(M, tile_rows) * K);
+  for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+    const int64_t rows = std::min(tile_rows, M - m0);
+    widen(xp + m0 * K, rows * K, xw.data());
+    at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) { tile(p, xw.data(), m0, rows, begin, end); });
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(travelator, m) {
+  // x [M, K] bf16, w from panel_linear_weight (model/native_linear.py), bias [N] or None.
+  m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+}
+#endif
