@@ -7,17 +7,20 @@ rendezvous, the control messages and the tensors cross the link. The text equals
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from paths import STORIES, needs_stories
+from travelator.engine.ray_placement import RayPlacementError, join_cluster
 from two_hosts import Host, two_hosts
 
 pytest.importorskip("ray", reason="Ray is not installed (the test extra has it)")
@@ -41,22 +44,22 @@ def _start_node(host: Host, argv: list[str]) -> subprocess.Popen:
         seen.append(line)
         if "Ray runtime started" in line:
             return node
-    _stop_node(node)
+    _stop_nodes([node])
     raise RuntimeError(f"ray start failed on {host.address}:\n{''.join(seen)[-3000:]}")
 
 
-def _stop_node(node: subprocess.Popen) -> None:
-    """End the node's session (the processes `ray start --block` started); SIGTERM, then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(node.pid, sig)
-        except ProcessLookupError:
+def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
+    """End each node's session (the processes its `ray start --block` started): SIGTERM, then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, sig)
+        deadline = time.monotonic() + wait_s
+        for node in nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if all(node.poll() is not None for node in nodes):
             return
-        try:
-            node.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +75,7 @@ def cluster() -> Iterator[tuple[Host, Host]]:
                                               "--node-ip-address", second.address]))
             yield first, second
         finally:
-            for node in reversed(nodes):
-                _stop_node(node)
+            _stop_nodes(nodes)
             shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -83,9 +85,10 @@ def one_process() -> str:
                           timeout=300, check=True).stdout
 
 
-def _driver(host: Host, *flags: str) -> list[str]:
+def _driver(host: Host, *flags: str, env: dict[str, str] | None = None) -> list[str]:
     return host.command([sys.executable, "-m", "travelator.cli", "--log-level", "INFO", *GENERATE, *flags,
-                         "--distributed-executor-backend", "ray"], env={"RAY_ADDRESS": f"{host.address}:{PORT}"})
+                         "--distributed-executor-backend", "ray"],
+                        env={"RAY_ADDRESS": f"{host.address}:{PORT}", **(env or {})})
 
 
 @needs_stories
@@ -99,3 +102,25 @@ def test_ray_places_rank_1_on_the_other_host_and_the_text_is_one_process_text(cl
     assert driver.stdout == one_process and one_process.startswith(PROMPTS[0])
     # The step messages and the tensors went over the link.
     assert first.link_bytes()[1] - sent_before > 20_000
+
+
+@needs_stories
+def test_a_group_the_cluster_cannot_hold_fails_in_time_saying_what_is_missing(cluster):
+    first, _ = cluster
+    # Three 1-CPU ranks on two 1-CPU nodes: the group can never be granted.
+    driver = subprocess.run(_driver(first, "--device", "cpu", "--pipeline-parallel-size", "3",
+                                    env={"TRAVELATOR_RAY_GROUP_TIMEOUT": "3"}),
+                            capture_output=True, text=True, timeout=120)
+    assert driver.returncode == 2 and driver.stdout == ""  # the command line's error for a setting
+    assert "error: the Ray cluster did not grant the placement group within 3 s: 3 bundles of 1 CPU(s)" \
+        in driver.stderr, driver.stderr[-3000:]
+    assert "3 CPUs in all; the cluster has 2 CPUs" in driver.stderr
+
+
+def test_without_a_cluster_or_without_ray_the_error_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(RayPlacementError, match="no Ray cluster to join at 'auto'.*ray start --head"):
+        join_cluster()
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
+    with pytest.raises(RayPlacementError, match="needs Ray"):
+        join_cluster()

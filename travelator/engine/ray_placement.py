@@ -155,11 +155,12 @@ def _reserve(size: int, cpus: int, driver_ip: str, timeout_s: float) -> Any:
     if ray.wait([group.ready()], timeout=timeout_s)[0]:
         return group
     remove_placement_group(group)
-    free = {n["NodeManagerAddress"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]}
+    per_node = {n["NodeManagerAddress"]: f"{n['Resources'].get('CPU', 0):g}" for n in ray.nodes() if n["Alive"]}
     raise RayPlacementError(
-        f"the Ray cluster did not grant {size} bundles of {cpus} CPU(s) (one per rank, the first on the "
-        f"driver's node {driver_ip}) within {timeout_s:.0f} s: its nodes' CPUs are {free}, "
-        f"{ray.available_resources().get('CPU', 0)} free; add nodes or CPUs, or lower {THREADS_ENV}")
+        f"the Ray cluster did not grant the placement group within {timeout_s:g} s: {size} bundles of {cpus} "
+        f"CPU(s), one per rank, the first on the driver's node {driver_ip}, {size * cpus} CPUs in all; the "
+        f"cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs (per node: {per_node}), "
+        f"{ray.available_resources().get('CPU', 0):g} free: add nodes or CPUs, or lower {THREADS_ENV}")
 
 
 def _start_rank(rank: int, group: Any, cpus: int, environment: dict[str, str]) -> RayRank:
