@@ -35,6 +35,16 @@ PARALLEL = {"tensor": ["--device", "cpu", "--tensor-parallel-size", "2"],
 NODE = ["--block", "--num-cpus", "1", "--disable-usage-stats", "--object-store-memory", str(80 * 2**20)]
 
 
+def test_without_a_cluster_or_without_ray_the_error_says_what_to_do(monkeypatch):
+    # First in the module: Ray's "auto" also finds a cluster by its processes, such as this module's.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(RayPlacementError, match="no Ray cluster to join at 'auto'.*ray start --head"):
+        join_cluster()
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
+    with pytest.raises(RayPlacementError, match="needs Ray"):
+        join_cluster()
+
+
 def _start_node(host: Host, argv: list[str]) -> subprocess.Popen:
     """A Ray node in ``host``'s namespace, in a session of its own, once it is up."""
     node = subprocess.Popen(host.command([RAY, "start", *NODE, *argv]), stdout=subprocess.PIPE,
@@ -116,11 +126,3 @@ def test_a_group_the_cluster_cannot_hold_fails_in_time_saying_what_is_missing(cl
         in driver.stderr, driver.stderr[-3000:]
     assert "3 CPUs in all; the cluster has 2 CPUs" in driver.stderr
 
-
-def test_without_a_cluster_or_without_ray_the_error_says_what_to_do(monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(RayPlacementError, match="no Ray cluster to join at 'auto'.*ray start --head"):
-        join_cluster()
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
-    with pytest.raises(RayPlacementError, match="needs Ray"):
-        join_cluster()

@@ -175,7 +175,11 @@ def _start_rank(rank: int, group: Any, cpus: int, environment: dict[str, str]) -
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(path)}},  # this driver's code
     ).remote()
-    node_ip, pid = ray.get(actor.where.remote(), timeout=GROUP_TIMEOUT_S)
+    try:
+        node_ip, pid = ray.get(actor.where.remote(), timeout=GROUP_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise RayPlacementError(f"the Ray actor of rank {rank} did not start within {GROUP_TIMEOUT_S:g} s "
+                                "(its node's logs are under the session's logs/ folder)") from exc
     logger.info("tensor parallel: rank %d on Ray node %s (pid %d)", rank, node_ip, pid)
     return RayRank(rank, actor, actor.serve.remote({**environment, "RANK": str(rank)}), node_ip, pid)
 
