@@ -110,8 +110,9 @@ class RayRank:
         try:
             return ray.get(self.done)
         except Exception as exc:  # the loop raised, or the actor's process died
+            last_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             logger.error("tensor-parallel rank %d (Ray actor on %s, pid %d) ended: %s", self.rank,
-                         self.node_ip, self.pid, str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+                         self.node_ip, self.pid, last_line)
             return 1
 
     def wait(self, timeout: float | None = None) -> int:
