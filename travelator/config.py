@@ -25,6 +25,7 @@ KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 LoadFormat = Literal["auto", "dummy"]
 Kernels = Literal["auto", "native", "triton", "torch"]
 Quantization = Literal["auto", "none", "int8", "int4"]
+ExecutorBackend = Literal["mp", "ray"]
 LmHeadQuantization = Literal["auto", "none", "int8", "int4"]
 KVEventsPublisher = Literal["null", "zmq"]
 KVEventsLayout = Literal["map", "array"]
@@ -286,6 +287,9 @@ class ParallelConfig:
     pipeline_parallel_size: Annotated[int, Setting(
         "split the model's layers into N contiguous stages, one per rank (gloo point-to-point "
         "between stages); launched like tensor parallelism", short_flag="-pp")] = 1
+    distributed_executor_backend: Annotated[ExecutorBackend, Setting(
+        "who starts ranks 1..N-1: mp, the engine on this machine (or torchrun); ray, actors in a "
+        "placement group of the Ray cluster this process joins (RAY_ADDRESS, else the local one)")] = "mp"
 
     def validate(self) -> None:
         if self.tensor_parallel_size < 1:

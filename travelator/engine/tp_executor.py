@@ -35,6 +35,7 @@ from travelator.config import ModelConfig, ParallelConfig
 from travelator.engine.executor import Executor
 from travelator.engine.grammar_compiler import GrammarCompiler
 from travelator.engine.model_runner import LaunchedStep, ModelRunner, RunnerSettings
+from travelator.engine.ray_placement import place_ranks
 from travelator.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from travelator.engine.tp_launch import SECRET_ENV, LaunchEnv, connect_store, control_secret, host_store, launch_env
 from travelator.engine.tp_protocol import CALLS, STOP, TPWorkerSpec, decode_result, encode_call, encode_result, encode_spec
@@ -74,11 +75,14 @@ def make_executor(parallel: ParallelConfig, model: ModelConfig, arch: ModelArch,
         flag = "--pipeline-parallel-size" if pipeline else "--tensor-parallel-size"
         raise ValueError(f"launched with WORLD_SIZE={env.world_size} but the engine has {size} "
                          f"ranks: pass {flag} {env.world_size}")
+    if env is not None and parallel.distributed_executor_backend == "ray":
+        raise ValueError("--distributed-executor-backend ray places the ranks itself: start one "
+                         "process (not torchrun)")
     if env is not None and env.rank != 0:
         run_worker(env)
         raise SystemExit(0)
     return TPExecutor(TPWorkerSpec(model, settings, parallel.expert_parallel, pipeline), arch, weights, size, env,
-                      grammars)
+                      grammars, ray=parallel.distributed_executor_backend == "ray")
 
 
 class _Group:
@@ -86,7 +90,8 @@ class _Group:
 
     def __init__(self) -> None:
         self.group: TPGroup | None = None
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # or ray_placement.RayRank, which answers the same
+        self.release: Callable[[], None] | None = None  # what else the workers hold (a Ray placement group)
         self.graceful = True
         # One message at a time on the control group: a step on the engine's thread and a
         # clean-up at exit (another thread) must not interleave.
@@ -118,13 +123,18 @@ def _close(g: _Group) -> None:
             p.kill()
             p.wait()
     g.group = None
+    if g.release is not None:
+        g.release()
+        g.release = None
 
 
 class TPExecutor:
     """Rank 0 of a tensor-parallel group, behind the engine's ``Executor`` interface."""
 
     def __init__(self, spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None,
-                 size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None) -> None:
+                 size: int, env: LaunchEnv | None, grammars: GrammarCompiler | None = None, *,
+                 ray: bool = False) -> None:
+        self._ray = ray  # place the workers on a Ray cluster instead of launching them here
         self._grammars = grammars  # the driver's runner masks constrained rows with it
         self.size = size
         self._g = _Group()
@@ -150,7 +160,11 @@ class TPExecutor:
     def _start(self, spec: TPWorkerSpec, arch: ModelArch, weights: WeightIterator | None,
                env: LaunchEnv | None) -> None:
         t0 = time.perf_counter()
-        if env is None:  # launch the workers on this machine
+        if env is None and self._ray:
+            placed = place_ranks(self.size, spec.device_type)
+            self._g.procs, self._g.release = placed.ranks, placed.release
+            self._server, store, key, local_rank = placed.server, placed.store, placed.secret, 0
+        elif env is None:  # launch the workers on this machine
             check_gpu_for_rank(spec.device_type, self.size - 1)
             server = host_store("127.0.0.1", 0, self.size)
             store = dist.PrefixStore("travelator/", server)
@@ -180,7 +194,7 @@ class TPExecutor:
             threading.Thread(target=self._watch_workers, name="travelator-tp-watch",
                              daemon=True).start()
         logger.info("tensor parallel: %d ranks (%s), driver ready in %.1f s", self.size,
-                    "local workers" if env is None else "torchrun", time.perf_counter() - t0)
+                    "torchrun" if env else "Ray actors" if self._ray else "local workers", time.perf_counter() - t0)
 
     # ---- start-up --------------------------------------------------------------------
     def _launch(self, rank: int, local: LaunchEnv, device_type: str, secret: str) -> subprocess.Popen:

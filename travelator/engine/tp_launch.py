@@ -12,10 +12,12 @@ must be set when MASTER_ADDR is not a loopback address.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import logging
 import os
 import socket
+import struct
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -25,6 +27,8 @@ from travelator.model.tp_group import DATA_TIMEOUT_S
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "TRAVELATOR_TP_SECRET"
+GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"  # gloo binds this interface, else what the hostname resolves to
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 MIN_SECRET_CHARS = 16
 
 
@@ -92,3 +96,17 @@ def connect_store(env: LaunchEnv, timeout_s: float = DATA_TIMEOUT_S) -> dist.Sto
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
                               timeout=datetime.timedelta(seconds=timeout_s))
     return dist.PrefixStore("travelator/", store)
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of this machine's network interface whose IPv4 address is ``address``
+    (None when none is): what gloo must bind so that ranks on other hosts reach this one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
