@@ -199,6 +199,21 @@ def test_strings_take_what_json_allows():
     assert not accepts({"type": "object"}, '{"a": "\n"}')  # a raw control character
 
 
+def test_length_bounded_strings_take_what_free_strings_take():
+    """minLength and maxLength count characters, an escape or a surrogate pair as one, as the
+    JSON Schema spec does (jsonschema, on the decoded string): DEL and escapes are characters
+    like any other, as in free strings."""
+    schema = {"type": "string", "minLength": 2, "maxLength": 3}
+    in_bounds = ['"a\x7f\\n"', '"a\\u007f\\n"', '"\\ud83d\\ude00\x7f"', '"\U0001F600\\""', '"é\\/"']
+    out_of_bounds = ['"a\x7f\\n!"', '"a"', '"\\ud83d\\ude00"', '"\\ud83d\\ude00\\u00e9\\t\x7f"']
+    for text in in_bounds + out_of_bounds:
+        assert accepts({"type": "string"}, text)
+        valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        assert valid == (text in in_bounds)
+        assert accepts(schema, text) == valid, text
+        assert accepts({"type": "object", "properties": {"s": schema}}, f'{{"s": {text}}}') == valid, text
+
+
 def test_prefix_items():
     assert accepts(PAIR, "[1.5, 2]") and not any(accepts(PAIR, t) for t in ("[1.5]", "[1.5, -2]", "[1.5, 2, 3]"))
     assert all(accepts(TUPLE, t) for t in ('["a"]', '["a", 1]', '["a", 1, null, {"k": [2]}]'))
