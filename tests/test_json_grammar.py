@@ -155,7 +155,7 @@ def _in_schema_order(value, schema, root):
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_instances_in_bounds_are_accepted(schema, data):
     drawn = data.draw(from_schema(copy.deepcopy(schema)))
