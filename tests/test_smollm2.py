@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,17 +120,21 @@ def test_chat_refuses_bad_messages(llm):
     assert llm.engine.scheduler.requests == {}  # nothing was queued
 
 
-def test_cli_generate_answers_through_the_chat_template():
-    proc = subprocess.run(
-        [sys.executable, "-m", "travelator.cli", "generate", "--model", MODEL,
-         "--num-kv-blocks", str(KV_BLOCKS), QUESTION],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    answer = proc.stdout.strip()
-    assert "Paris" in answer, proc.stdout
+def test_cli_generate_answers_through_the_chat_template(llm, monkeypatch, capsys):
+    # In-process, on the loaded model: the command as a process (``python -m travelator.cli
+    # generate``) is test_stories260k.py's.
+    import travelator
+    from travelator import cli
+
+    given = {}
+    monkeypatch.setattr(travelator, "LLM", lambda model, **kw: given.update(model=model, **kw) or llm)
+    assert cli.main(["generate", "--model", MODEL, "--num-kv-blocks", str(KV_BLOCKS), QUESTION]) == 0
+    assert given["model"] == MODEL and given["num_kv_blocks"] == KV_BLOCKS
+    out, err = capsys.readouterr()
+    answer = out.strip()
+    assert "Paris" in answer, out
     assert not answer.startswith(QUESTION)  # the assistant's answer alone
-    assert "finish_reason=stop" in proc.stderr  # it ended its turn (<|im_end|>)
+    assert "finish_reason=stop" in err  # it ended its turn (<|im_end|>)
 
 
 def test_cli_no_chat_template_continues_the_raw_text(llm, monkeypatch, capsys):
@@ -311,11 +314,15 @@ def agreement(setting: str, reference: str, results, ref_tokens, ref_logits) -> 
     return Agreement(setting, reference, same, margins, error)
 
 
+def greedy_chats(llm: LLM):
+    return llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0),
+                    use_tqdm=False)
+
+
 def run_travelator(dtype: str, quantization: str):
     llm = LLM(MODEL, device="cpu", dtype=dtype, quantization=quantization, num_kv_blocks=KV_BLOCKS)
     try:
-        return llm.chat(CHATS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True,
-                                              logprobs=0), use_tqdm=False)
+        return greedy_chats(llm)
     finally:
         llm.shutdown()
 
@@ -351,8 +358,9 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("dtype, quantization", list(SETTINGS))
-def test_greedy_agrees_with_transformers(reference32, dtype, quantization):
-    results = run_travelator(dtype, quantization)
+def test_greedy_agrees_with_transformers(reference32, llm, dtype, quantization):
+    # The module's model is float32 with the file's int4 blocks kept ("auto"): no second load.
+    results = greedy_chats(llm) if (dtype, quantization) == ("float32", "auto") else run_travelator(dtype, quantization)
     a = agreement(f"{dtype}/{quantization}", "float32", results, reference32.tokens, reference32.logits)
     print(a.report())
     bound, fewest = SETTINGS[dtype, quantization]

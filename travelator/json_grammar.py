@@ -5,7 +5,9 @@ count of zeros (``-5.1000000…``, ``22.1e0000…``): a small model can write di
 ``max_tokens`` and never close its JSON. The compiler has no option to bound them, so a schema
 is rewritten here as a Lark grammar: objects, arrays, ``anyOf``, type lists and ``$defs``
 references become rules, numbers a bounded regex (with integer ``minimum``/``maximum``, a range
-regex too, and no exponent), and every other subschema (strings with constraints, ``enum``,
+regex too, and no exponent), strings with ``minLength``/``maxLength`` a bounded repetition of
+the characters free strings take, and every other subschema (strings with a ``pattern`` or a
+``format``, ``enum``,
 ``const``, ``allOf``, ``oneOf``, ``multipleOf``, a number bound that is not an integer, ...)
 stays a ``%json`` block that llguidance compiles as before. Every rewrite keeps a subset of the
 schema's language (it only drops over-long numbers and, from an open object, extra keys that
@@ -30,6 +32,13 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated",
                           "readOnly", "writeOnly", "$schema", "$defs", "definitions"})
 _STRING = r'/"(\\(["\\\/bfnrt]|u[a-fA-F0-9]{4})|[^"\\\x00-\x1F])*"/'
+# One character of a string with minLength/maxLength, which count code points (as the JSON
+# Schema spec, and jsonschema on the decoded string): an unescaped one (DEL included, as in
+# free strings), an escape, or a surrogate pair written as two \u escapes; a lone surrogate,
+# no character, is left out.
+_STRING_CHAR = (r'\\(["\\/bfnrt]|u([0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+                r'|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}'
+                r'|[^"\\\x00-\x1F]')
 _PLAIN_KEY = r'/"[^"\\\x00-\x1F]*"/'  # an extra key: no escapes, so none can spell a named key
 _MAX_ITEMS_UNROLLED = 1000  # a larger maxItems stays llguidance's
 
@@ -245,7 +254,13 @@ class _Translator:
         return name
 
     def _string(self, schema: dict[str, Any], keys: set[str]) -> str | None:
-        return "STR" if keys <= {"type"} else None
+        if keys <= {"type"}:
+            return "STR"
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if not keys <= {"type", "minLength", "maxLength"} or not _count(low) or not (
+                high is None or _count(high) and low <= high):
+            return None  # a pattern or format, or bounds that are not counts: llguidance's
+        return self._terminal(f'"({_STRING_CHAR}){{{low},{"" if high is None else high}}}"')
 
     def _boolean(self, schema: dict[str, Any], keys: set[str]) -> str | None:
         return f"({_lit('true')} | {_lit('false')})" if keys <= {"type"} else None

@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,17 +45,31 @@ def make_requests(n: int, seed: int) -> list[tuple[int, list[int], int]]:
 TIGHT = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_tokens=7)
 
 
+@pytest.fixture(scope="module")
+def tp1_run(tmp_path_factory):
+    """A family's checkpoint, its TP=1 run and transformers' tokens, made once per module: the
+    expert-parallel test checks TP=2 against the same ones as the tensor-parallel test."""
+    runs: dict[str, SimpleNamespace] = {}
+
+    def run(family: str) -> SimpleNamespace:
+        if family not in runs:
+            runs[family] = _tp1_and_transformers(family, tmp_path_factory.mktemp(family))
+        return runs[family]
+
+    return run
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss"])
-def test_tp2_matches_tp1_and_transformers(family, tmp_path):
+def test_tp2_matches_tp1_and_transformers(family, tp1_run):
     """Mixtures of experts: each rank holds half of every expert's intermediate size."""
-    check_tp2_against_tp1_and_transformers(family, tmp_path)
+    check_tp2_against_tp1_and_transformers(tp1_run(family))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
-def test_placed_experts_match_tp1_and_transformers(family, tmp_path):
+def test_placed_experts_match_tp1_and_transformers(family, tp1_run):
     """Expert parallelism: each rank holds every other expert whole (and its bias) and runs
     only their pairs."""
-    one, two, mem = check_tp2_against_tp1_and_transformers(family, tmp_path, expert_parallel=True)
+    one, two, mem = check_tp2_against_tp1_and_transformers(tp1_run(family), expert_parallel=True)
     inter = one.engine.arch.expert_intermediate_size
     driver = two.engine.runner.runner.model  # rank 0's shard
     for layer in [layer for layer in driver.layers if hasattr(layer.mlp, "experts")]:
@@ -88,9 +103,9 @@ def test_placed_mxfp4_experts_stay_4_bit(tmp_path):
     assert experts[1].gate_up_weight.numel() == 0  # rank 1's
 
 
-def check_tp2_against_tp1_and_transformers(family, tmp_path, **parallel):
-    """Staggered requests through TP=1 and TP=2 (with ``parallel`` settings): the same tokens,
-    transformers' greedy ones. Returns both LLMs (TP=2's shut down) and TP=2's memory by rank."""
+def _tp1_and_transformers(family: str, tmp_path: Path) -> SimpleNamespace:
+    """Staggered requests through TP=1 (chunked and preempted), and transformers' greedy tokens
+    for them, which TP=1's must be."""
     overrides = {"llama": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32},
                  "phi3": phi3_overrides(original=512, maximum=512),
                  "gemma3": gemma3_overrides(window=5), "mixtral": mixtral_overrides(),
@@ -102,9 +117,20 @@ def check_tp2_against_tp1_and_transformers(family, tmp_path, **parallel):
     one = LLM(str(path), device="cpu", **TIGHT)
     want = run_staggered(one, reqs)
     assert one.engine.counters.preemptions > 0
-    two = LLM(str(path), device="cpu", tensor_parallel_size=2, **TIGHT, **parallel)
+    ref = load_reference(path)
+    for i, (_, prompt, m) in enumerate(reqs):
+        assert want[i] == reference_greedy(ref, prompt, m), f"request {i} differs"
+    return SimpleNamespace(path=path, reqs=reqs, one=one, want=want)
+
+
+def check_tp2_against_tp1_and_transformers(tp1: SimpleNamespace, **parallel):
+    """The same staggered requests through TP=2 (with ``parallel`` settings): TP=1's tokens,
+    which are transformers' greedy ones. Returns both LLMs (TP=2's shut down) and TP=2's
+    memory by rank."""
+    one = tp1.one
+    two = LLM(str(tp1.path), device="cpu", tensor_parallel_size=2, **TIGHT, **parallel)
     try:
-        got = run_staggered(two, reqs)
+        got = run_staggered(two, tp1.reqs)
         assert two.engine.counters.preemptions == one.engine.counters.preemptions
         # Every rank holds its own share of the KV heads (2 KV heads: one each).
         mem = two.engine.runner.call("memory")
@@ -112,10 +138,7 @@ def check_tp2_against_tp1_and_transformers(family, tmp_path, **parallel):
         assert [m["kv_cache"] for m in mem] == [kv_one // 2] * 2
     finally:
         two.shutdown()
-    assert got == want
-    ref = load_reference(path)
-    for i, (_, prompt, m) in enumerate(reqs):
-        assert got[i] == reference_greedy(ref, prompt, m), f"request {i} differs"
+    assert got == tp1.want
     return one, two, mem
 
 

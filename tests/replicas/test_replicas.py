@@ -1,6 +1,7 @@
 """``travelator serve --data-parallel-size 2`` on stories260K: answers equal one engine's,
 requests sharing a prefix go to one replica (whose prefix cache then hits), each replica
-runs on its own cores, and a killed replica fails only its own requests and comes back."""
+runs on its own cores, and a killed replica fails only its own requests and comes back; stored
+responses are found on the replica that stored them; rerank and score answer as one engine."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from paths import STORIES, STORIES_EXPECTED, needs_stories
 from travelator import LLM, SamplingParams
 from travelator.replicas.cores import parse_cpu_list
+from travelator.scoring import ScoreFormat
 from travelator.server.process import ServerProcess, free_port, serve_command
 
 pytestmark = needs_stories
@@ -31,13 +33,15 @@ SYSTEM = {
     "b": "One day a girl named Sue found a shiny red box under her bed. She wanted to open it, but ",
 }
 USERS = ["He saw a cat.", "It was very hot.", "Then mom came home."]
+SCORE_FORMAT = ScoreFormat("q: {query} d: {document} ->", ("a", "b"))
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
     port = free_port()
     args = ["--model", str(STORIES), "--dtype", "float32", "--served-model-name", "m",
-            "--data-parallel-size", "2"]
+            "--data-parallel-size", "2", "--score-template", SCORE_FORMAT.template,
+            "--score-labels", ",".join(SCORE_FORMAT.labels)]
     server = ServerProcess(serve_command(args, port), port, cwd=ROOT,
                            log_path=tmp_path_factory.mktemp("replicas") / "front.log")
     try:
@@ -126,6 +130,71 @@ def test_shared_prefixes_stay_on_one_replica(front):
         text = httpx.get(f"{replica['url']}/metrics", timeout=10).text
         hits = re.search(r"^travelator_prefix_cache_hit_tokens_total\{[^}]*\} (\S+)$", text, re.M)
         assert float(hits[1]) > 0
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def _output_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
+def test_stored_responses_are_found_on_their_replica(front):
+    url = f"{front.base_url}/v1/responses"
+    held_prompt = "Ann said: " + SYSTEM["b"]  # a prefix no other test sends
+    body = {"prompt": held_prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{front.base_url}/v1/completions", json=body, timeout=60) as held:
+        busy = int(held.headers["x-travelator-replica"])
+        first = httpx.post(url, timeout=60, json={"input": "Tell me a story.", "max_output_tokens": 8,
+                                                  "temperature": 0})
+    assert first.status_code == 200, first.text
+    home = int(first.headers["x-travelator-replica"])
+    assert home != busy  # the least loaded one, while the other held a stream
+    stored = first.json()
+    got = httpx.get(f"{url}/{stored['id']}", timeout=10)
+    assert got.status_code == 200 and got.json() == first.json()
+    # By its text alone the follow-up would go to ``busy``, where its prefix went: it must go
+    # to ``home``, the only replica that holds the conversation. Streamed, and stored too.
+    question = held_prompt + "What next?"
+    follow = httpx.post(url, timeout=60, json={"input": question, "previous_response_id": stored["id"],
+                                               "max_output_tokens": 4, "temperature": 0, "stream": True})
+    assert follow.status_code == 200 and int(follow.headers["x-travelator-replica"]) == home
+    (done,) = [e["response"] for e in _sse_events(follow.text) 
+                if e["type"] in ("response.completed", "response.incomplete")]
+    # One server sent the same conversation in full, stored nowhere, counts the same prompt.
+    conversation = [{"role": "user", "content": "Tell me a story."},
+                    {"role": "assistant", "content": _output_text(stored)}, {"role": "user", "content": question}]
+    single = httpx.post(f"{_health(front)['replicas'][busy]['url']}/v1/responses", timeout=60,
+                        json={"input": conversation, "max_output_tokens": 1, "store": False}).json()
+    assert done["usage"]["input_tokens"] == single["usage"]["input_tokens"] > 0
+    assert httpx.get(f"{url}/{done['id']}", timeout=10).json()["usage"] == done["usage"]
+    # DELETE removes it where it lives; then the id is unknown, as on a single server.
+    assert httpx.delete(f"{url}/{stored['id']}", timeout=10).json()["deleted"] is True
+    gone = httpx.get(f"{url}/{stored['id']}", timeout=10)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+    orphan = httpx.post(url, timeout=60, json={"input": "x", "previous_response_id": stored["id"]})
+    assert orphan.status_code == 404 and orphan.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_rerank_and_score_answer_as_one_engine(front, engine):
+    documents = ["The dog ran in the park.", "Mom baked a cake.", "The cat slept."]
+    want = engine.score("Where did the dog run?", documents, score_format=SCORE_FORMAT, use_tqdm=False)
+    for path in ("/rerank", "/v2/rerank"):
+        answer = httpx.post(front.base_url + path, timeout=60,
+                            json={"query": "Where did the dog run?", "documents": documents})
+        assert answer.status_code == 200, answer.text
+        results = answer.json()["results"]
+        assert sorted(r["index"] for r in results) == [0, 1, 2]
+        ranked = [r["relevance_score"] for r in results]
+        assert ranked == sorted(ranked, reverse=True)
+        for r in results:
+            assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
+            assert r["document"]["text"] == documents[r["index"]]
+    scores = httpx.post(front.base_url + "/score", timeout=60,
+                        json={"text_1": "Where did the dog run?", "text_2": documents}).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(want, abs=1e-5)
 
 
 def test_each_replica_runs_on_its_own_cores(front):

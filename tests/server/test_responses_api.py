@@ -298,20 +298,25 @@ class Point(BaseModel):
     y: float
 
 
-@needs_stories
-@pytest.mark.parametrize("model", [Pet, Owner, Point])
-def test_responses_parse_on_stories260k(model):
+@pytest.fixture(scope="module")
+def stories_url():
     llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=256)
     app = build_app(AsyncEngine(llm.engine), ServerSettings(served_model_names=["stories"]))
     with serve_in_thread(app) as url:
-        client = _client(url)
-        for seed in range(2):
-            resp = client.responses.parse(model="stories", input="Tell me about a pet.", text_format=model,
-                                          max_output_tokens=64, temperature=1.0,
-                                          extra_body={"seed": seed})
-            assert resp.status == "completed" and isinstance(resp.output_parsed, model)
-            assert model.model_validate_json(resp.output_text) == resp.output_parsed
-            assert resp.text.format.type == "json_schema" and resp.text.format.strict is True
+        yield url
+
+
+@needs_stories
+@pytest.mark.parametrize("model", [Pet, Owner, Point])
+def test_responses_parse_on_stories260k(stories_url, model):
+    client = _client(stories_url)
+    for seed in range(2):
+        resp = client.responses.parse(model="stories", input="Tell me about a pet.", text_format=model,
+                                      max_output_tokens=64, temperature=1.0,
+                                      extra_body={"seed": seed})
+        assert resp.status == "completed" and isinstance(resp.output_parsed, model)
+        assert model.model_validate_json(resp.output_text) == resp.output_parsed
+        assert resp.text.format.type == "json_schema" and resp.text.format.strict is True
 
 
 def test_a_strict_text_format_is_closed_and_a_loose_one_open():

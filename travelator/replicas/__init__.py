@@ -7,6 +7,7 @@ sends each request to one of them.
   loaded one), and why.
 - ``supervisor.py``: the replica processes; a dead one is restarted.
 - ``proxy.py``: forwarding a request to a replica and relaying its answer.
+- ``response_homes.py``: which replica stored each response, for its follow-ups, GET and DELETE.
 - ``frontend.py``: the front end's FastAPI app over the proxy (health, loads, metrics).
 - ``metrics.py``: routing decisions and replica states for ``/metrics``.
 - ``launch.py``: the ``serve`` command's entry for ``--data-parallel-size``.

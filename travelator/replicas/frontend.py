@@ -1,7 +1,10 @@
 """The replicas' front end: one FastAPI app that forwards each OpenAI request to one replica
 (``proxy.py``; chosen by ``PrefixRouter``).
 
-- ``POST /v1/*``, ``/tokenize``, ``/detokenize``: routed by the prompt's leading text.
+- ``POST /v1/*``, ``/tokenize``, ``/detokenize``, ``/score``, ``/rerank``, ``/v2/rerank``:
+  routed by the prompt's leading text; a response's follow-up (``previous_response_id``) to
+  the replica that stored the response it follows.
+- ``GET``/``DELETE /v1/responses/{id}``: to the replica that stored it.
 - ``GET /v1/models``, ``/v1/models/{model}``, ``/version``, ``/tokenizer_info``: any live replica
   (they all serve the same model).
 - ``GET /v1/loads``: every live replica's own report, as data-parallel rank ``index``.
@@ -22,6 +25,7 @@ from pydantic import BaseModel
 
 from travelator.replicas.metrics import RouteMetrics
 from travelator.replicas.proxy import ReplicaProxy
+from travelator.replicas.response_homes import ResponseHomes
 from travelator.replicas.routing import PrefixRouter
 from travelator.replicas.supervisor import ReplicaSet
 from travelator.server.errors import APIError
@@ -38,9 +42,9 @@ class ReplicaState(BaseModel):
     restarts: int
 
 
-def build_replica_app(replicas: ReplicaSet, router: PrefixRouter) -> FastAPI:
+def build_replica_app(replicas: ReplicaSet, router: PrefixRouter, homes: ResponseHomes) -> FastAPI:
     metrics = RouteMetrics(replicas, router)
-    proxy = ReplicaProxy(replicas, router, metrics)
+    proxy = ReplicaProxy(replicas, router, metrics, homes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,8 +56,9 @@ def build_replica_app(replicas: ReplicaSet, router: PrefixRouter) -> FastAPI:
             await asyncio.to_thread(replicas.close)
 
     app = FastAPI(title="travelator replicas", lifespan=lifespan)
-    for path in ("/v1/{rest:path}", "/tokenize", "/detokenize"):
+    for path in ("/v1/{rest:path}", "/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"):
         app.add_api_route(path, proxy.routed, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", proxy.stored_response, methods=["GET", "DELETE"])
     app.add_api_route("/v1/loads", proxy.loads, methods=["GET"])
     for path in ("/v1/models", "/v1/models/{model:path}", "/version", "/tokenizer_info"):
         app.add_api_route(path, proxy.any_replica, methods=["GET"])

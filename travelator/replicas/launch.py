@@ -11,6 +11,7 @@ import uvicorn
 
 from travelator.replicas.cores import core_shares
 from travelator.replicas.frontend import build_replica_app
+from travelator.replicas.response_homes import ResponseHomes
 from travelator.replicas.routing import PrefixRouter
 from travelator.replicas.supervisor import ReplicaSet
 
@@ -39,8 +40,14 @@ def serve_replicas(args: argparse.Namespace, serve_argv: list[str]) -> int:
                          "each replica is one engine")
     shares = core_shares(args.data_parallel_size)
     router = PrefixRouter(len(shares))
-    replicas = ReplicaSet(replica_serve_args(serve_argv), shares, on_change=router.set_alive)
-    app = build_replica_app(replicas, router)
+    homes = ResponseHomes(len(shares) * args.response_store_max_count)  # as many as the replicas keep
+
+    def on_change(replica: int, up: bool) -> None:
+        router.set_alive(replica, up)
+        homes.set_alive(replica, up)
+
+    replicas = ReplicaSet(replica_serve_args(serve_argv), shares, on_change=on_change)
+    app = build_replica_app(replicas, router, homes)
     print(f"serving {len(shares)} replicas on http://{args.host}:{args.port}/v1 (cores "
           f"{'; '.join(','.join(map(str, sorted(s))) for s in shares)})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -35,7 +35,8 @@ class RouteMetrics:
         self.registry = CollectorRegistry()
         self._routes = Counter("travelator_route", "Requests routed, by replica and reason: "
                                "prefix (sent where its prefix went before), least_loaded (no "
-                               "known prefix), prefix_overloaded (its prefix's replica was busy).",
+                               "known prefix), prefix_overloaded (its prefix's replica was busy), "
+                               "previous_response (the replica that stored the response it follows).",
                                ["replica", "reason"], registry=self.registry)
         for replica in replicas.replicas:
             for reason in REASONS:

@@ -6,6 +6,8 @@ KV blocks for the prefix cache. The router remembers which replica each key was 
 A request goes to the replica that was sent its longest remembered prefix, unless that
 replica has more than ``overload_margin`` requests in flight beyond the least loaded one;
 then, and when no prefix is known, to the least loaded live replica (ties: lowest index).
+A follow-up to a stored response goes to the replica that stored it, whatever its load: no
+other replica could answer it.
 
 The memory is bounded (least recently used keys forgotten first) and a replica's keys are
 forgotten when it dies: its restarted engine has an empty cache. Thread-safe: the front end
@@ -18,7 +20,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-REASONS = ("prefix", "least_loaded", "prefix_overloaded")
+REASONS = ("prefix", "least_loaded", "prefix_overloaded", "previous_response")
 
 
 class NoReplicaAlive(RuntimeError):
@@ -51,9 +53,10 @@ class PrefixRouter:
         self._owner: OrderedDict[int, int] = OrderedDict()  # prefix key -> replica
         self._lock = threading.Lock()
 
-    def choose(self, text: str) -> RouteDecision:
-        """The replica for a prompt, counted in flight there until ``done``; NoReplicaAlive
-        when every replica is down."""
+    def choose(self, text: str, home: int | None = None) -> RouteDecision:
+        """The replica for a prompt, counted in flight there until ``done``: ``home`` (the
+        replica holding the response it follows) when that one is up; NoReplicaAlive when
+        every replica is down."""
         keys = prefix_keys(text, self.block_chars, self.max_blocks)
         with self._lock:
             live = [i for i, up in enumerate(self.alive) if up]
@@ -61,7 +64,9 @@ class PrefixRouter:
                 raise NoReplicaAlive("no replica is running")
             least = min(live, key=lambda i: (self.in_flight[i], i))
             owner, depth = self._longest_owner(keys)
-            if owner is None:
+            if home is not None and self.alive[home]:
+                decision = RouteDecision(home, "previous_response", 0)
+            elif owner is None:
                 decision = RouteDecision(least, "least_loaded", 0)
             elif self.in_flight[owner] > self.in_flight[least] + self.overload_margin:
                 decision = RouteDecision(least, "prefix_overloaded", 0)
