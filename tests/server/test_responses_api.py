@@ -14,6 +14,7 @@ from typing import Literal
 
 import jsonschema
 import openai
+from openai.types.responses import Response
 import pytest
 from pydantic import BaseModel
 
@@ -205,6 +206,9 @@ def test_previous_response_id_chains_get_and_delete(qwen, hf_tokenizer):
                                     max_output_tokens=8, temperature=0)
     assert first.usage.input_tokens == len(_hf_ids(hf_tokenizer, [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]))
+    # The SDK builds answers without validating them: what the server sent must also pass
+    # its model's validation (every required field, e.g. usage's cache_write_tokens).
+    Response.model_validate(first.to_dict())
     second = client.responses.create(model="qwen", input="And then?", previous_response_id=first.id,
                                      max_output_tokens=8, temperature=0)
     # The first exchange comes first; its instructions are not carried over (as OpenAI).

@@ -59,7 +59,9 @@ class ResponseRun:
         if out is not None:
             n_in, n_out = len(self.prompt.token_ids), len(out.output_token_ids)
             usage = ResponseUsage(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out,
-                                  input_tokens_details={"cached_tokens": out.num_cached_tokens},
+                                  input_tokens_details={"cached_tokens": out.num_cached_tokens,
+                                                        # The prefix cache keeps blocks on its own: no explicit writes.
+                                                        "cache_write_tokens": 0},
                                   output_tokens_details={"reasoning_tokens": 0})
         req = self.req
         choice = req.tool_choice or ("auto" if req.tools else "none")
