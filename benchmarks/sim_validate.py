@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import astuple
 
+import numpy as np
 from travelator import LLM
 from travelator.bench.arrivals import arrival_times
 from travelator.bench.metrics import compute_metrics, format_markdown_table
 from travelator.bench.runner import run_engine
 from travelator.bench.workloads import orca_synthetic
 from travelator.config import CacheConfig
+from travelator.sim.cost_model import LinearCostModel, ProfiledStep, StepShape, relative_errors
 from travelator.sim.profiling import fit_and_check, profile_engine
 from travelator.sim.simulator import SimSetup, Simulation
 
@@ -41,6 +44,7 @@ def validate_model(model: str, args: argparse.Namespace) -> list[dict]:
     coef = ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients.items())
     print(f"{model}: fitted on {len(steps)} steps ({coef}; large steps: more than {cost.large_step_rows} rows), "
           f"held-out median error {check['held_out_median_rel_error']:.1%}")
+    recorded = {"profile": steps}
     vocab, ctx = profiler.arch.vocab_size, profiler.max_model_len
     del profiler
     workload = orca_synthetic(args.num_requests, vocab_size=vocab, seed=args.seed,
@@ -55,12 +59,38 @@ def validate_model(model: str, args: argparse.Namespace) -> list[dict]:
             arrivals = arrival_times(len(workload), rate, seed=args.seed)
             work = workload.salted(k + 1)
             load = os.getloadavg()[0]
-            real = run_engine(engine, work, arrivals, progress=False, record_steps=False)
+            steps: list[ProfiledStep] = []
+            real = run_engine(engine, work, arrivals, progress=False, record_steps=False,
+                              on_step=lambda _o, e=engine, s=steps: s.append(
+                                  ProfiledStep(StepShape.of(e.last_schedule), e.last_step.duration_s)))
+            step_errors = print_step_error(mode, rate, cost, steps)
+            recorded[f"{mode} {rate:g} req/s"] = steps
             sim = Simulation(setup, cost).run(work, arrivals)
             rows.append(compare_row(model, mode, rate, load, compute_metrics(real.results, real.duration_s),
                                     compute_metrics(sim.results, sim.duration_s)))
+            rows[-1]["cost model on real steps"] = step_errors
             print(format_markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
+    if args.steps_json:
+        # Every step's shape and time, profile and real runs: cost models can be refitted and
+        # checked against the real runs offline.
+        with open(f"{args.steps_json}.{model.replace(':', '_')}.json", "w") as f:
+            json.dump({k: [[*astuple(s.shape), s.seconds] for s in v] for k, v in recorded.items()}, f)
     return rows
+
+
+def print_step_error(mode: str, rate: float, cost: LinearCostModel, steps: list[ProfiledStep]) -> dict:
+    """The cost model against the real run's own steps: a model fitted on the profile's shapes
+    is checked on the shapes a loaded run makes (mixed steps apart, where fits went wrong)."""
+    mixed = [s for s in steps if s.shape.prefill_tokens and s.shape.decode_tokens]
+    parts, errors = [], {}
+    for label, part in (("all", steps), ("mixed", mixed)):
+        if part:
+            median = float(np.median(relative_errors(cost, part)))
+            total = sum(cost.step_seconds(s.shape) for s in part) / sum(s.seconds for s in part) - 1
+            errors[f"{label} steps"] = {"count": len(part), "median_rel_error": median, "total_time_rel_error": total}
+            parts.append(f"{label} {len(part)} steps: median error {median:.1%}, total time {total:+.1%}")
+    print(f"  cost model on the real {mode} run's steps at {rate:g} req/s: " + "; ".join(parts), flush=True)
+    return errors
 
 
 def compare_row(model: str, mode: str, rate: float, load: float, real: dict, sim: dict) -> dict:
@@ -92,6 +122,8 @@ def main() -> None:
     p.add_argument("--profile-seconds", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--steps-json", default=None, metavar="PREFIX",
+                   help="write every profiled and real step to PREFIX.<model>.json")
     args = p.parse_args()
     rows = [row for model in args.models for row in validate_model(model, args)]
     print(format_markdown_table(rows, COLUMNS))

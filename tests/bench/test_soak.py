@@ -139,7 +139,7 @@ def test_self_check_sees_a_lost_block():
     """Free and used blocks are counted independently, so their sum can miss the total."""
     llm = LLM(str(STORIES), dtype="float32", num_kv_blocks=16, max_model_len=128)
     engine = llm.engine
-    engine.kv._free.popitem()  # a block vanishes from the pool
+    engine.kv._free.pop_first()  # a block vanishes from the pool
     report = engine_self_check(engine)
     assert not report["ok"] and not report["kv"]["free_plus_used_equals_total"]
     assert "free 15 + used 0 != total 16 blocks" in report["problems"]

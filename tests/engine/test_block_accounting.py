@@ -56,7 +56,7 @@ def test_a_healthy_pool_passes():
 
 def test_a_lost_block_is_found():
     kv, _ = busy_pool()
-    kv._free.popitem()  # a block vanishes: in no table, not free
+    kv._free.pop_first()  # a block vanishes: in no table, not free
     assert not balanced(kv)
     with pytest.raises(BlockAccountingError, match="in no block table and not free"):
         kv.check_consistency()
@@ -64,7 +64,7 @@ def test_a_lost_block_is_found():
 
 def test_a_block_in_two_places_is_found():
     kv, a = busy_pool()
-    kv._free[kv.block_ids(a.request_id)[-1]] = None  # freed while still held
+    kv._free.push_back(kv.block_ids(a.request_id)[-1])  # freed while still held
     assert not balanced(kv)
     with pytest.raises(BlockAccountingError, match="both free and in a block table"):
         kv.check_consistency()
@@ -88,7 +88,7 @@ def test_a_wrong_reference_count_is_found():
 def test_the_check_holds_under_python_O():
     code = ("from travelator.engine.block_manager import KVCacheManager, BlockAccountingError\n"
             "kv = KVCacheManager(4, 4)\n"
-            "kv._free.popitem()\n"
+            "kv._free.pop_first()\n"
             "try:\n"
             "    kv.check_consistency()\n"
             "except BlockAccountingError:\n"

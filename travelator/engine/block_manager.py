@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
+from travelator.engine.free_blocks import FreeBlocks
 from travelator.engine.request import Request
 
 
@@ -84,7 +84,7 @@ class KVCacheManager:
         self._ref_cnt = [0] * num_blocks
         self._block_key: list[bytes | None] = [None] * num_blocks
         # Free blocks in eviction order (front first); cached ones keep their key here.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free = FreeBlocks(num_blocks)
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         # Blocks some request holds, counted as references come and go (not derived from the
@@ -221,7 +221,7 @@ class KVCacheManager:
         table = self._tables.setdefault(rid, table)
         for b in cached_blocks:
             if self._ref_cnt[b] == 0:
-                del self._free[b]
+                self._free.remove(b)
                 self._num_used += 1
             self._ref_cnt[b] += 1
             table.append(b)
@@ -232,7 +232,7 @@ class KVCacheManager:
         return list(cached_blocks) + new
 
     def _take_free_block(self) -> int:
-        block, _ = self._free.popitem(last=False)
+        block = self._free.pop_first()
         key = self._block_key[block]
         if key is not None:  # evict: the block is about to hold new data
             if self._cached.get(key) == block:
@@ -284,10 +284,11 @@ class KVCacheManager:
         self._ref_cnt[block] -= 1
         if self._ref_cnt[block] == 0:
             self._num_used -= 1
-            self._free[block] = None
             if self._block_key[block] is None:
                 # Nothing reusable in it: hand it out before any cached block.
-                self._free.move_to_end(block, last=False)
+                self._free.push_front(block)
+            else:
+                self._free.push_back(block)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every key (after a weight reload, say), when no request holds a block: a held

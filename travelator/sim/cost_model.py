@@ -47,7 +47,8 @@ class CostModel(Protocol):
     def step_seconds(self, shape: StepShape) -> float: ...
 
 
-FEATURES = ("intercept", "large_step", "prefill_tokens", "decode_tokens", "decode_context", "prefill_pairs")
+FEATURES = ("intercept", "large_step", "prefill_tokens", "decode_tokens", "requests", "decode_context",
+            "prefill_pairs")
 # Row counts above which a step may take another kernel path (``large_step``): the fit keeps the
 # one that explains the steps best (a CPU streams the weights of a few-row step, and multiplies
 # larger ones through a GEMM that reads a wider copy).
@@ -57,14 +58,18 @@ LARGE_STEP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 def feature_row(shape: StepShape, large_step_rows: int | None) -> list[float]:
     rows = shape.prefill_tokens + shape.decode_tokens
     large = float(large_step_rows is not None and rows > large_step_rows)
-    return [1.0, large, shape.prefill_tokens, shape.decode_tokens, shape.decode_context, shape.prefill_pairs]
+    return [1.0, large, shape.prefill_tokens, shape.decode_tokens, shape.num_requests, shape.decode_context,
+            shape.prefill_pairs]
 
 
 @dataclass(slots=True)
 class LinearCostModel:
     """Seconds per step = intercept (+ ``large_step`` for steps of more than
-    ``large_step_rows`` rows) + a cost per prefill token, per decode token, per key a decode
-    reads and per causal pair a prefill chunk computes."""
+    ``large_step_rows`` rows) + a cost per prefill token and per decode token (their rows
+    through the layers' GEMMs), per request (its one row of logits and its sampling, whether
+    it decodes or ends a prompt chunk), per key a decode reads and per causal pair a prefill
+    chunk computes. Without the per-request term a decode row carries its logits' cost, and a
+    step that adds decodes beside a long prompt chunk is over-predicted."""
 
     coefficients: dict[str, float]
     large_step_rows: int | None = None

@@ -21,14 +21,19 @@ HELD_OUT_EVERY = 5
 
 def profiling_plan(vocab_size: int, max_model_len: int) -> list[tuple[Workload, np.ndarray]]:
     """Decode-only batches of several sizes and context lengths, long prompts alone, and
-    arrivals that mix prompt chunks with decodes: the shapes a serving run meets."""
+    arrivals faster than the engine serves: a loaded run's steps, many decode rows beside a
+    prompt chunk up to the token budget. Kinds take turns, so that a short budget still
+    samples each of them."""
     fit = dict(vocab_size=vocab_size, max_model_len=max_model_len)
-    plan = [(fixed(b, prompt_len=p, output_len=24, seed=b + p, **fit), np.zeros(b))
-            for b, p in ((1, 32), (4, 256), (16, 64), (32, 16), (8, 768))]
-    plan.append((fixed(4, prompt_len=1024, output_len=2, seed=7, **fit), np.zeros(4)))
-    mixed = orca_synthetic(24, seed=11, **fit)
-    plan.append((mixed, arrival_times(len(mixed), 6.0, seed=11)))
-    return plan
+
+    def batch(b: int, p: int, out: int = 24) -> tuple[Workload, np.ndarray]:
+        return fixed(b, prompt_len=p, output_len=out, seed=b + p, **fit), np.zeros(b)
+
+    def loaded(n: int, rate: float, seed: int) -> tuple[Workload, np.ndarray]:
+        return orca_synthetic(n, seed=seed, **fit), arrival_times(n, rate, seed=seed)
+
+    return [batch(1, 32), loaded(16, 8.0, 13), batch(16, 64), batch(4, 1024, out=2), batch(4, 256),
+            loaded(16, 16.0, 17), batch(32, 16), batch(8, 768)]
 
 
 def profile_engine(engine, budget_s: float) -> list[ProfiledStep]:
