@@ -64,6 +64,9 @@ CASES: dict[str, Callable[[], object]] = {
                                            [torch.zeros(4, 8, dtype=torch.bfloat16), None, None,
                                             torch.zeros(8, 2, dtype=torch.bfloat16), None, None], [0, 0, 4, 0, 0, 8]),
     "blocked_linear": lambda: ops.blocked_linear(torch.zeros(1, 8), torch.zeros(1, 4, TILE, 2), None),
+    # A weight in its natural layout, not in panels.
+    "panel_linear": lambda: ops.panel_linear(torch.zeros(1, 8, dtype=torch.bfloat16),
+                                             torch.zeros(16, 8, dtype=torch.bfloat16), None),
     "quant_linear_int8": lambda: ops.quant_linear_int8(_quant_x(), _packed(32), torch.zeros(TILE - 1), TILE),
     "quant_linear_int4": lambda: ops.quant_linear_int4(_quant_x(), _packed(16), torch.zeros(1, 1, 2, TILE), 0,
                                                        TILE),  # group 0
