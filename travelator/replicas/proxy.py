@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from travelator.replicas.metrics import RouteMetrics
-from travelator.replicas.response_homes import ResponseHomes, StoredIdReader
+from travelator.replicas.response_homes import ResponseHomes, StoredIdReader, json_body
 from travelator.replicas.routing import NoReplicaAlive, PrefixRouter
 from travelator.replicas.supervisor import ReplicaSet
 from travelator.server.errors import APIError
@@ -23,15 +23,6 @@ from travelator.server.errors import APIError
 # Hop-by-hop and framing headers: the proxy frames its own messages.
 _DROP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive",
                            "transfer-encoding", "te", "upgrade", "proxy-connection"})
-
-
-def json_body(body: bytes) -> dict:
-    """A request's JSON object ({} when the body is not one)."""
-    try:
-        req = json.loads(body)
-    except ValueError:
-        return {}
-    return req if isinstance(req, dict) else {}
 
 
 # The fields that hold a request's prompt, by API: completions, chat, responses, tokenize,

@@ -80,17 +80,18 @@ class StoredIdReader:
         """The stored response's id, once the answer has been read (None if there is none)."""
         if self._first_event is not None:
             data = b"".join(line[5:] for line in self._first_event.splitlines() if line.startswith(b"data:"))
-            event = _json_object(data)
+            event = json_body(data)
             response = event.get("response") if event.get("type") == "response.created" else None
         else:
-            response = _json_object(bytes(self._head))
+            response = json_body(bytes(self._head))
         if not isinstance(response, dict) or response.get("object") != "response":
             return None
         response_id = response.get("id")
         return response_id if response.get("store") is True and isinstance(response_id, str) else None
 
 
-def _json_object(data: bytes) -> dict:
+def json_body(data: bytes) -> dict:
+    """A body's JSON object ({} when it is not one): requests the proxy routes, answers it reads."""
     try:
         value = json.loads(data)
     except ValueError:
