@@ -14,8 +14,8 @@ A ``RayRank`` answers the part of ``subprocess.Popen`` the executor uses (``poll
 ``RayPlacement.release`` removes the group when the engine stops. If the driver itself dies,
 Ray ends the job's actors and group.
 
-``ActorGroup`` (join, reserve a group, start actors in its bundles, release) is the part any
-other actors placed by Ray can share.
+``ActorGroup`` (join, reserve a group, start actors in its bundles, release) is shared with
+the disaggregated server's workers placed by Ray (``disagg/ray_workers.py``).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def rank_cpus() -> int:
 
 class ActorGroup:
     """A placement group of the cluster this process joins, and the actors started in its
-    bundles (the ranks', or other actors'). ``release`` kills the
+    bundles (shared by the ranks here and by ``disagg/ray_workers.py``). ``release`` kills the
     actors, removes the group and, when joining connected this process, leaves the cluster."""
 
     def __init__(self) -> None:
