@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "cores, behind this one endpoint; requests go where their prefix went "
                           "before, else to the least loaded replica (default 1)")
     srv.add_argument("--worker-threads", type=int, default=None,
-                     help="with --disaggregate: torch threads per worker (default: the cores shared out)")
+                     help="with --disaggregate: torch threads per worker (default: the cores shared out; "
+                          "placed by Ray, 1), the CPUs of its bundle under --distributed-executor-backend ray")
     srv.set_defaults(func=cmd_serve)
 
     exp = sub.add_parser("export-tokenizer",

@@ -7,32 +7,24 @@ rendezvous, the control messages and the tensors cross the link. The text equals
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from paths import STORIES, needs_stories
+from ray_cluster import address, ray_cluster
 from travelator.engine.ray_placement import RayPlacementError, join_cluster
-from two_hosts import Host, two_hosts
+from two_hosts import Host
 
 pytest.importorskip("ray", reason="Ray is not installed (the test extra has it)")
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-PORT = 6379
 PROMPTS = ["Once upon a time", "The little dog"]
 GENERATE = ["generate", "--model", str(STORIES), "--dtype", "float32",
             "--temperature", "0", "--max-tokens", "24", "--ignore-eos", *PROMPTS]
 PARALLEL = {"tensor": ["--device", "cpu", "--tensor-parallel-size", "2"],
             "pipeline": ["--device", "cpu", "--pipeline-parallel-size", "2"]}
-NODE = ["--block", "--num-cpus", "1", "--disable-usage-stats", "--object-store-memory", str(80 * 2**20)]
 
 
 def test_without_a_cluster_or_without_ray_the_error_says_what_to_do(monkeypatch):
@@ -45,48 +37,11 @@ def test_without_a_cluster_or_without_ray_the_error_says_what_to_do(monkeypatch)
         join_cluster()
 
 
-def _start_node(host: Host, argv: list[str]) -> subprocess.Popen:
-    """A Ray node in ``host``'s namespace, in a session of its own, once it is up."""
-    node = subprocess.Popen(host.command([RAY, "start", *NODE, *argv]), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen = []
-    for line in node.stdout:
-        seen.append(line)
-        if "Ray runtime started" in line:
-            return node
-    _stop_nodes([node])
-    raise RuntimeError(f"ray start failed on {host.address}:\n{''.join(seen)[-3000:]}")
-
-
-def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
-    """End each node's session (the processes its `ray start --block` started): SIGTERM, then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-        for node in nodes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pid, sig)
-        deadline = time.monotonic() + wait_s
-        for node in nodes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                node.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if all(node.poll() is not None for node in nodes):
-            return
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Host, Host]]:
     """A Ray cluster of two 1-CPU nodes, one per host."""
-    with two_hosts() as (first, second):
-        temp = tempfile.mkdtemp(prefix="tvray")
-        nodes = []
-        try:
-            nodes.append(_start_node(first, ["--head", "--node-ip-address", first.address, "--port", str(PORT),
-                                             "--include-dashboard=false", "--temp-dir", temp]))
-            nodes.append(_start_node(second, ["--address", f"{first.address}:{PORT}",
-                                              "--node-ip-address", second.address]))
-            yield first, second
-        finally:
-            _stop_nodes(nodes)
-            shutil.rmtree(temp, ignore_errors=True)
+    with ray_cluster(cpus=1) as hosts:
+        yield hosts
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +53,7 @@ def one_process() -> str:
 def _driver(host: Host, *flags: str, env: dict[str, str] | None = None) -> list[str]:
     return host.command([sys.executable, "-m", "travelator.cli", "--log-level", "INFO", *GENERATE, *flags,
                          "--distributed-executor-backend", "ray"],
-                        env={"RAY_ADDRESS": f"{host.address}:{PORT}", **(env or {})})
+                        env={"RAY_ADDRESS": address(host), **(env or {})})
 
 
 @needs_stories

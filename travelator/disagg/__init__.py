@@ -10,5 +10,7 @@ the KV of each prompt moves from the prefill worker to a decode worker over gloo
   ``front_report.py``: what it reports of them (snapshot, self-check, per-worker metrics).
 - Across hosts, under torchrun: ``hosts.py`` (which rank runs which worker; the other ranks'
   side), ``remote.py`` (the front end's side), ``link.py`` (one authenticated TCP connection
-  per worker) and ``wire.py`` (the messages as msgpack, no pickles).
+  per worker) and ``wire.py`` (the messages as msgpack, no pickles). Placed by Ray
+  (``--distributed-executor-backend ray``): ``ray_workers.py``, every worker an actor of one
+  placement group, connected as torchrun's remote workers are.
 """

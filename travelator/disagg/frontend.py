@@ -33,6 +33,7 @@ from travelator.disagg import messages as m
 from travelator.disagg.front_report import WorkerMetrics, combine_reports, front_snapshot
 from travelator.disagg.hosts import publish_front_end, worker_ranks
 from travelator.disagg.placement import Placement
+from travelator.disagg.ray_workers import RayWorkers
 from travelator.disagg.remote import RemoteWorker, accept_workers
 from travelator.disagg.router import Router
 from travelator.disagg.worker import DisaggWorkerSpec, run_worker
@@ -106,6 +107,7 @@ class DisaggregatedFrontEnd:
         self.processes: dict[m.WorkerId, multiprocessing.Process | RemoteWorker] = {}
         self._commands: dict[m.WorkerId, object] = {}  # each worker's queue, or its connection
         self._event_pipes: dict[object, m.WorkerId] = {}  # each worker's own (see run_worker)
+        self._ray: RayWorkers | None = None  # the workers' Ray actors, when Ray places them
         try:
             self._start_workers()
             ready = self._wait_ready(disagg.start_timeout_s)
@@ -123,16 +125,21 @@ class DisaggregatedFrontEnd:
 
     def _start_workers(self) -> None:
         disagg, launch = self.disagg, self.disagg.launch
-        ranks = worker_ranks(disagg.num_prefill, disagg.num_decode, launch.world_size if launch else 1)
-        local = [w for w in self.workers if ranks[w] == 0]
+        if self.config.parallel.distributed_executor_backend == "ray":  # every worker an actor
+            self._ray = RayWorkers(self.workers, disagg.threads_per_worker or 1)
+            where: dict[m.WorkerId, object] = dict(self._ray.nodes)  # each worker's node
+            host, local = self._ray.host, []
+        else:
+            where = worker_ranks(disagg.num_prefill, disagg.num_decode, launch.world_size if launch else 1)
+            host = launch.master_addr if launch else "127.0.0.1"
+            local = [w for w in self.workers if where[w] == 0]
         # Across hosts the KV store and the workers' connections listen where the other hosts
         # reach this one, and gloo binds that address.
-        host = launch.master_addr if launch else "127.0.0.1"
         self._store = host_store(host, 0, 1, disagg.start_timeout_s)
-        threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(local))
+        threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, len(local)))
 
         def spec_of(w: m.WorkerId) -> DisaggWorkerSpec:
-            on_host = sum(r == ranks[w] for r in ranks.values())  # their KV pools share its memory
+            on_host = sum(h == where[w] for h in where.values())  # their KV pools share its memory
             config = dataclasses.replace(self.config, cache=dataclasses.replace(
                 self.config.cache, kv_memory_share=self.config.cache.kv_memory_share / on_host))
             return DisaggWorkerSpec(w, config, host, self._store.port, disagg.num_prefill, disagg.num_decode,
@@ -149,20 +156,29 @@ class DisaggregatedFrontEnd:
             self._event_pipes[events] = w
             self.processes[w] = proc
         if len(local) < len(self.workers):
-            self._accept_remote(launch, {w for w in self.workers if ranks[w] != 0}, spec_of)
+            self._accept_remote(host, {w for w in self.workers if w not in local}, spec_of)
 
-    def _accept_remote(self, launch: LaunchEnv, remote: set[m.WorkerId],
+    def _accept_remote(self, host: str, remote: set[m.WorkerId],
                        spec_of: Callable[[m.WorkerId], DisaggWorkerSpec]) -> None:
-        """Wait for the workers of the other ranks to connect (``hosts.py``)."""
-        secret = control_secret(launch)
-        family = socket.getaddrinfo(launch.master_addr, 0, type=socket.SOCK_STREAM)[0][0]
-        with socket.create_server((launch.master_addr, 0), family=family) as listener:
-            self._launch_store = connect_store(launch)  # kept: under a plain launcher this rank hosts it
-            publish_front_end(self._launch_store, launch.master_addr, listener.getsockname()[1])
-            connected = accept_workers(listener, remote, secret, spec_of, self.disagg.start_timeout_s)
+        """Wait for the workers on other hosts to connect: those of torchrun's other ranks
+        (``hosts.py``), or every worker, each in its Ray actor (``ray_workers.py``)."""
+        launch, ray = self.disagg.launch, self._ray
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((host, 0), family=family) as listener:
+            port = listener.getsockname()[1]
+            if ray is not None:
+                ray.start(port, self.disagg.start_timeout_s)
+                secret, check = ray.secret, ray.check
+            else:
+                secret, check = control_secret(launch), None
+                self._launch_store = connect_store(launch)  # kept: under a plain launcher this rank hosts it
+                publish_front_end(self._launch_store, host, port)
+            connected = accept_workers(listener, remote, secret, spec_of, self.disagg.start_timeout_s, check)
         for w, worker in connected.items():
             self.processes[w] = self._commands[w] = worker
             self._event_pipes[worker] = w
+        if ray is not None:
+            ray.watch(connected)
 
     def _wait_ready(self, timeout_s: float) -> dict[m.WorkerId, m.Ready]:
         ready: dict[m.WorkerId, m.Ready] = {}
@@ -212,6 +228,8 @@ class DisaggregatedFrontEnd:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+        if self._ray is not None:
+            self._ray.release()
 
     @property
     def healthy(self) -> bool:
@@ -401,6 +419,9 @@ def _worker_config(config: EngineConfig, disagg: DisaggConfig) -> EngineConfig:
     config.validate()
     if config.parallel.tensor_parallel_size > 1:
         raise ValueError("--disaggregate runs each worker on one rank (tensor_parallel_size 1)")
+    if disagg.launch is not None and config.parallel.distributed_executor_backend == "ray":
+        raise ValueError("--distributed-executor-backend ray places the workers itself: start one "
+                         "process (not torchrun)")
     if config.scheduler.batching in REQUEST_LEVEL_BATCHING:
         raise ValueError(f"--disaggregate needs iteration-level batching (iteration or orca), not "
                          f"{config.scheduler.batching}: a decode worker admits each request as its KV comes")

@@ -86,6 +86,21 @@ def run_remote_worker(worker: m.WorkerId, host: str, port: int, secret: bytes, t
     run_worker(spec, channel, channel)
 
 
+def run_workers(workers: list[m.WorkerId], host: str, port: int, secret: bytes, threads: int,
+                timeout_s: float) -> int:
+    """Run ``workers``, a process each, that connect to the front end at ``host:port``, until
+    they exit: 0 when every one stopped cleanly. They are this process's children: each exits
+    when this process has gone (``tp_worker.watch_parent``)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=run_remote_worker, name=f"travelator-{w.role}-{w.index}",
+                         args=(w, host, port, secret, threads, timeout_s)) for w in workers]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
 def serve_worker_rank(disagg: DisaggConfig, env: LaunchEnv) -> int:
     """A rank other than 0: run its workers until they exit (0 when every one stopped cleanly)."""
     mine = [w for w, r in worker_ranks(disagg.num_prefill, disagg.num_decode, env.world_size).items()
@@ -93,11 +108,4 @@ def serve_worker_rank(disagg: DisaggConfig, env: LaunchEnv) -> int:
     secret = control_secret(env)
     host, port = connect_store(env).get(FRONT_KEY).decode().rsplit(":", 1)
     threads = disagg.threads_per_worker or max(1, (os.cpu_count() or 1) // len(mine))
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=run_remote_worker, name=f"travelator-{w.role}-{w.index}",
-                         args=(w, host, int(port), secret, threads, disagg.start_timeout_s)) for w in mine]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return 0 if all(p.exitcode == 0 for p in procs) else 1
+    return run_workers(mine, host, int(port), secret, threads, disagg.start_timeout_s)

@@ -43,7 +43,7 @@ class RemoteWorker:
         try:
             self.link.send_bytes(wire.encode_command(command))
         except LinkClosed as exc:
-            self._lost(str(exc))
+            self.lost(str(exc))
 
     # ---- as its event pipe -----------------------------------------------------------------
     def fileno(self) -> int:
@@ -54,7 +54,7 @@ class RemoteWorker:
         try:
             event = wire.decode_event(self.link.recv_bytes())
         except (LinkClosed, RefusedMessage) as exc:
-            self._lost(f"its connection from {self.address} ended: {exc}")
+            self.lost(f"its connection from {self.address} ended: {exc}")
             raise EOFError(str(exc)) from None
         if isinstance(event, m.Report):
             _to_local_clock(event, time.monotonic() - event.clock)
@@ -71,9 +71,10 @@ class RemoteWorker:
         self._closed.wait(timeout)
 
     def kill(self) -> None:
-        self._lost("stopped by the front end")
+        self.lost("stopped by the front end")
 
-    def _lost(self, why: str) -> None:
+    def lost(self, why: str) -> None:
+        """End the connection: the worker is gone (the first reason given stays)."""
         with self._lock:
             if self._closed.is_set():
                 return
@@ -98,10 +99,12 @@ def _to_local_clock(report: m.Report, offset: float) -> None:
 
 
 def accept_workers(listener: socket.socket, expected: set[m.WorkerId], secret: bytes,
-                   spec_of: Callable[[m.WorkerId], DisaggWorkerSpec], timeout_s: float) -> dict[m.WorkerId, RemoteWorker]:
+                   spec_of: Callable[[m.WorkerId], DisaggWorkerSpec], timeout_s: float,
+                   check: Callable[[], None] | None = None) -> dict[m.WorkerId, RemoteWorker]:
     """The connections of the ``expected`` workers, each sent its spec. A connection that does
     not prove the secret or names a worker not expected (or one already here) is closed, and
-    the others are still waited for."""
+    the others are still waited for. ``check``, called about once a second while waiting,
+    raises when a worker can no longer come (its Ray actor ended)."""
     got: dict[m.WorkerId, RemoteWorker] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < len(expected):
@@ -109,6 +112,9 @@ def accept_workers(listener: socket.socket, expected: set[m.WorkerId], secret: b
         if left <= 0:
             missing = sorted(str(w) for w in expected - set(got))
             raise TimeoutError(f"the workers on other hosts did not connect in {timeout_s} s: {missing}")
+        if check is not None:
+            check()
+            left = min(left, 1.0)
         listener.settimeout(left)
         try:
             sock, peer = listener.accept()

@@ -13,6 +13,9 @@ A ``RayRank`` answers the part of ``subprocess.Popen`` the executor uses (``poll
 ``terminate``, ``kill``, ``pid``), so a dead actor fails the engine as a dead local worker does;
 ``RayPlacement.release`` removes the group when the engine stops. If the driver itself dies,
 Ray ends the job's actors and group.
+
+``ActorGroup`` (join, reserve a group, start actors in its bundles, release) is shared with
+the disaggregated server's workers placed by Ray (``disagg/ray_workers.py``).
 """
 
 from __future__ import annotations
@@ -67,12 +70,17 @@ def join_cluster() -> bool:
     return True
 
 
-class RankActor:
-    """The body of a worker rank's actor (``ray.remote`` is applied when Ray is loaded)."""
+class PlacedActor:
+    """What every actor placed here answers first: where it runs (``ray.remote`` is applied
+    when Ray is loaded)."""
 
     def where(self) -> tuple[str, int]:
         """This actor's node IP and process id."""
         return _ray().util.get_node_ip_address(), os.getpid()
+
+
+class RankActor(PlacedActor):
+    """The body of a worker rank's actor."""
 
     def serve(self, environment: dict[str, str]) -> int:
         """Run the worker loop until the driver says stop; this process is the actor's alone,
@@ -80,11 +88,24 @@ class RankActor:
         from travelator.engine.tp_worker import run_worker
 
         os.environ.update(environment)
-        interface = interface_with_address(self.where()[0])
-        if interface is not None:
-            os.environ.setdefault(GLOO_INTERFACE_ENV, interface)
+        bind_node_interface(self.where()[0])
         run_worker()
         return 0
+
+
+def bind_node_interface(node_ip: str) -> None:
+    """Have gloo bind the interface that carries ``node_ip`` (unless ``GLOO_SOCKET_IFNAME``
+    is set): the one the other nodes reach this one through."""
+    interface = interface_with_address(node_ip)
+    if interface is not None:
+        os.environ.setdefault(GLOO_INTERFACE_ENV, interface)
+
+
+def why_it_ended(exc: BaseException, most: int = 200) -> str:
+    """What an actor call's error says, short: its last line (Ray's say how, then what may
+    have caused it at length), at most ``most`` characters."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    return line if len(line) <= most else line[:most - 3].rstrip() + "..."
 
 
 @dataclass(slots=True)
@@ -110,9 +131,8 @@ class RayRank:
         try:
             return ray.get(self.done)
         except Exception as exc:  # the loop raised, or the actor's process died
-            last_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             logger.error("tensor-parallel rank %d (Ray actor on %s, pid %d) ended: %s", self.rank,
-                         self.node_ip, self.pid, last_line)
+                         self.node_ip, self.pid, why_it_ended(exc))
             return 1
 
     def wait(self, timeout: float | None = None) -> int:
@@ -142,47 +162,82 @@ class RayPlacement:
     release: Callable[[], None]
 
 
-def _bundles(size: int, cpus: int, driver_ip: str) -> list[dict[str, float]]:
-    # A sliver of the node's own resource pins bundle 0, the driver's cores, to the driver's node.
-    return [{"CPU": cpus, f"node:{driver_ip}": 0.001}] + [{"CPU": cpus} for _ in range(size - 1)]
+def rank_cpus() -> int:
+    """The CPUs of each rank's bundle, and its torch threads."""
+    return int(os.environ.get(THREADS_ENV, "1"))
 
 
-def _reserve(size: int, cpus: int, driver_ip: str, timeout_s: float) -> Any:
-    ray = _ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
+class ActorGroup:
+    """A placement group of the cluster this process joins, and the actors started in its
+    bundles (shared by the ranks here and by ``disagg/ray_workers.py``). ``release`` kills the
+    actors, removes the group and, when joining connected this process, leaves the cluster."""
 
-    bundles = _bundles(size, cpus, driver_ip)
-    group = placement_group(bundles, strategy="PACK")
-    if ray.wait([group.ready()], timeout=timeout_s)[0]:
-        return group
-    remove_placement_group(group)
-    per_node = {n["NodeManagerAddress"]: f"{n['Resources'].get('CPU', 0):g}" for n in ray.nodes() if n["Alive"]}
-    raise RayPlacementError(
-        f"the Ray cluster did not grant the placement group within {timeout_s:g} s: {size} bundles of {cpus} "
-        f"CPU(s), one per rank, the first on the driver's node {driver_ip}, {size * cpus} CPUs in all; the "
-        f"cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs (per node: {per_node}), "
-        f"{ray.available_resources().get('CPU', 0):g} free: add nodes or CPUs, or lower {THREADS_ENV}")
+    def __init__(self) -> None:
+        self.owned = join_cluster()
+        self.ray = _ray()
+        self.driver_ip = self.ray.util.get_node_ip_address()
+        self.group: Any = None
+        self.actors: list[Any] = []
 
+    def reserve(self, bundles: list[dict[str, float]], strategy: str, timeout_s: float, layout: str,
+                smaller: str) -> None:
+        """Wait up to ``timeout_s`` for the cluster to grant ``bundles`` at once; else say what
+        is missing (``layout``: how the bundles are laid out; ``smaller``: how to ask for less)."""
+        ray = self.ray
+        from ray.util.placement_group import placement_group, remove_placement_group
 
-def _start_rank(rank: int, group: Any, cpus: int, environment: dict[str, str]) -> RayRank:
-    ray = _ray()
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        group = placement_group(bundles, strategy=strategy)
+        if ray.wait([group.ready()], timeout=timeout_s)[0]:
+            self.group = group
+            return
+        remove_placement_group(group)
+        per_node = {n["NodeManagerAddress"]: f"{n['Resources'].get('CPU', 0):g}" for n in ray.nodes() if n["Alive"]}
+        raise RayPlacementError(
+            f"the Ray cluster did not grant the placement group within {timeout_s:g} s: {len(bundles)} bundles of "
+            f"{bundles[0]['CPU']:g} CPU(s), {layout}, {sum(b['CPU'] for b in bundles):g} CPUs in all; the cluster "
+            f"has {ray.cluster_resources().get('CPU', 0):g} CPUs (per node: {per_node}), "
+            f"{ray.available_resources().get('CPU', 0):g} free: add nodes or CPUs, or {smaller}")
 
-    path = [p for p in sys.path if p]
-    if os.environ.get("PYTHONPATH"):
-        path.insert(0, os.environ["PYTHONPATH"])
-    actor = ray.remote(RankActor).options(
-        num_cpus=cpus,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(path)}},  # this driver's code
-    ).remote()
-    try:
-        node_ip, pid = ray.get(actor.where.remote(), timeout=GROUP_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError as exc:
-        raise RayPlacementError(f"the Ray actor of rank {rank} did not start within {GROUP_TIMEOUT_S:g} s "
-                                "(its node's logs are under the session's logs/ folder)") from exc
-    logger.info("tensor parallel: rank %d on Ray node %s (pid %d)", rank, node_ip, pid)
-    return RayRank(rank, actor, actor.serve.remote({**environment, "RANK": str(rank)}), node_ip, pid)
+    def start(self, body: type, bundle: int, cpus: float) -> Any:
+        """An actor running ``body`` in bundle ``bundle``, with this driver's code (its sys.path)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        path = [p for p in sys.path if p]
+        if os.environ.get("PYTHONPATH"):
+            path.insert(0, os.environ["PYTHONPATH"])
+        actor = self.ray.remote(body).options(
+            num_cpus=cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(path)}},
+        ).remote()
+        self.actors.append(actor)
+        return actor
+
+    def locate(self, actors: list[Any], names: list[str]) -> list[tuple[str, int]]:
+        """Each ``PlacedActor``'s node IP and pid, once all have started (they start at once)."""
+        ray = self.ray
+        refs = [a.where.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=GROUP_TIMEOUT_S)
+        if len(ready) < len(refs):
+            late = [name for name, ref in zip(names, refs) if ref not in ready]
+            raise RayPlacementError(f"the Ray actors of {', '.join(late)} did not start within {GROUP_TIMEOUT_S:g} s "
+                                    "(their nodes' logs are under the session's logs/ folder)")
+        return ray.get(refs)
+
+    def release(self) -> None:
+        ray = self.ray
+        if not ray.is_initialized():
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.group is not None:
+            remove_placement_group(self.group)
+            self.group = None
+            logger.info("killed %d Ray actors and removed their placement group", len(self.actors))
+        if self.owned:
+            ray.shutdown()
 
 
 def place_ranks(size: int, device_type: str, timeout_s: float = GROUP_TIMEOUT_S) -> RayPlacement:
@@ -190,37 +245,25 @@ def place_ranks(size: int, device_type: str, timeout_s: float = GROUP_TIMEOUT_S)
     if device_type != "cpu":
         raise RayPlacementError("--distributed-executor-backend ray places CPU ranks only for now "
                                 "(use torchrun for GPU ranks on several machines)")
-    owned = join_cluster()
-    ray = _ray()
-    from ray.util.placement_group import remove_placement_group
-
-    driver_ip = ray.util.get_node_ip_address()
-    cpus = int(os.environ.get(THREADS_ENV, "1"))
-    ranks: list[RayRank] = []
-    group = None
-
-    def release() -> None:
-        if not ray.is_initialized():
-            return
-        for r in ranks:
-            r.terminate()
-        if group is not None:
-            remove_placement_group(group)
-        if owned:
-            ray.shutdown()
-
+    group = ActorGroup()
+    driver_ip, cpus = group.driver_ip, rank_cpus()
     try:
-        group = _reserve(size, cpus, driver_ip, timeout_s)
-        interface = interface_with_address(driver_ip)
-        if interface is not None and GLOO_INTERFACE_ENV not in os.environ:
-            os.environ[GLOO_INTERFACE_ENV] = interface  # the driver's groups, reachable from the others
+        # A sliver of the node's own resource pins bundle 0, the driver's cores, to the driver's node.
+        bundles = [{"CPU": cpus, f"node:{driver_ip}": 0.001}] + [{"CPU": cpus} for _ in range(size - 1)]
+        group.reserve(bundles, "PACK", timeout_s, f"one per rank, the first on the driver's node {driver_ip}",
+                       f"lower {THREADS_ENV}")
+        bind_node_interface(driver_ip)  # the driver's groups, reachable from the others
         server = host_store(driver_ip, 0, size)
         secret = secrets.token_hex(32)
         environment = {"WORLD_SIZE": str(size), "LOCAL_RANK": "0", "MASTER_ADDR": driver_ip,
                        "MASTER_PORT": str(server.port), SECRET_ENV: secret, THREADS_ENV: str(cpus)}
-        for rank in range(1, size):
-            ranks.append(_start_rank(rank, group, cpus, environment))
+        actors = [group.start(RankActor, rank, cpus) for rank in range(1, size)]
+        ranks = []
+        for rank, actor, (node_ip, pid) in zip(range(1, size), actors,
+                                                group.locate(actors, [f"rank {r}" for r in range(1, size)])):
+            logger.info("tensor parallel: rank %d on Ray node %s (pid %d)", rank, node_ip, pid)
+            ranks.append(RayRank(rank, actor, actor.serve.remote({**environment, "RANK": str(rank)}), node_ip, pid))
     except BaseException:
-        release()
+        group.release()
         raise
-    return RayPlacement(ranks, server, dist.PrefixStore("travelator/", server), secret.encode(), release)
+    return RayPlacement(ranks, server, dist.PrefixStore("travelator/", server), secret.encode(), group.release)
