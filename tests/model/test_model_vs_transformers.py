@@ -82,9 +82,10 @@ KERNELS = ["native", "torch"]
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_logprobs_match(checkpoint, kernels):
     """Logprobs against transformers run in float64 (near the exact result: only its rope
-    tables stay float32): within 1e-4, or within 1.5x transformers' own float32 error (its
-    largest over the top-5 logprobs of the tokens checked) where that is larger (llama_hd64's large logits put float32 transformers up to 3.4e-4 off
-    float64; two float32 implementations then differ by up to twice that)."""
+    tables stay float32): within 1e-4, or within twice transformers' own float32 error (its
+    largest over the top-5 logprobs of the tokens checked) where that is larger: llama_hd64's
+    large logits put float32 transformers up to 3.4e-4 off float64, and another float32
+    implementation may err as much the other way (gpt_oss on an AVX-512 Xeon: 1.6x)."""
     path, ref = checkpoint
     llm = LLM(str(path), device="cpu", dtype="float32", kernels=kernels)
     prompt = prompts(1, seed=1, lo=40, hi=40)[0]
@@ -96,7 +97,7 @@ def test_logprobs_match(checkpoint, kernels):
     # The checkpoint's float32 error: transformers' largest over the logprobs checked.
     float32_error = float((ref_lp[rows] - exact_lp[rows]).abs().gather(
         1, ref_lp[rows].topk(5).indices).max())
-    bound = max(1e-4, 1.5 * float32_error)
+    bound = max(1e-4, 2 * float32_error)
     for i, entry in enumerate(result.logprobs):
         row, exact = ref_lp[len(prompt) - 1 + i], exact_lp[len(prompt) - 1 + i]
         assert entry.token_id == int(row.argmax())
