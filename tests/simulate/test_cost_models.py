@@ -3,6 +3,8 @@ recovering known coefficients, and saving and loading."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -89,12 +91,19 @@ def synthetic_steps(coef: dict[str, float], large_rows: int, n: int, noise: floa
     return steps
 
 
-def hand_timed(coef: dict[str, float], large_rows: int, s: StepShape) -> float:
+def hand_timed(coef: dict[str, float], large_rows: int, s: StepShape, recovery: float = 1.0) -> float:
     rows = s.prefill_tokens + s.decode_tokens
+    since_large = next((k + 1 for k, r in enumerate(s.recent_rows) if r > large_rows), 0)
+    after_large = math.exp(-(since_large - 1) / recovery) if since_large and rows <= large_rows else 0.0
+    after_idle = math.exp(-(s.since_idle - 1) / recovery) if s.since_idle else 0.0
     return (coef.get("intercept", 0) + coef.get("large_step", 0) * (rows > large_rows)
+            + coef.get("streamed_rows", 0) * rows * (rows <= large_rows)
+            + coef.get("streamed_after_large", 0) * after_large
+            + (coef.get("after_idle", 0) + coef.get("after_idle_rows", 0) * rows) * after_idle
             + coef.get("prefill_tokens", 0) * s.prefill_tokens + coef.get("decode_tokens", 0) * s.decode_tokens
             + coef.get("requests", 0) * s.num_requests + coef.get("decode_context", 0) * s.decode_context
-            + coef.get("prefill_pairs", 0) * s.prefill_pairs)
+            + coef.get("prefill_pairs", 0) * s.prefill_pairs
+            + (coef.get("new_shape", 0) + coef.get("new_shape_rows", 0) * rows) * s.new_rows)
 
 
 def test_the_fit_recovers_known_coefficients_and_the_kernel_switch():

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from travelator import LLM
-from travelator.sim.profiling import fit_and_check, profile_engine, profiling_plan
+from travelator.sim.profiling import fit_and_check, profile_engine, profiling_plan, route_switch_rows
 
 
 def test_profiled_steps_account_for_every_token_of_the_plan():
     engine = LLM("dummy:tiny", max_num_seqs=32, max_num_batched_tokens=1024).engine
-    steps = profile_engine(engine, budget_s=float("inf"))
+    steps = profile_engine(engine, budget_s=float("inf"), passes=1)
     plan = profiling_plan(engine.arch.vocab_size, engine.max_model_len)
     prompts = sum(r.prompt_len for w, _ in plan for r in w.requests)
     decodes = sum(r.output_len - 1 for w, _ in plan for r in w.requests)
@@ -27,7 +27,13 @@ def test_profiled_steps_account_for_every_token_of_the_plan():
     contexts = sum(sum(r.prompt_len + k for k in range(1, r.output_len)) for w, _ in plan for r in w.requests)
     assert contexts <= sum(s.shape.decode_context for s in steps) <= contexts + prompts
     assert all(s.seconds > 0 for s in steps)
-    model, check = fit_and_check(steps)
+    # Each row count's first step is marked, once (the warm-up's counts are no longer new).
+    first = [s.shape.rows for s in steps if s.shape.new_rows]
+    assert first and len(first) == len(set(first))
+    # The kernel switch the fit takes is the one the engine's start-up line names.
+    streamed = engine.runner.ops.streaming_rows(False)
+    assert route_switch_rows(engine.summary) == ((streamed,) if streamed else ())
+    model, check = fit_and_check(steps, route_switch_rows(engine.summary))
     assert check["held_out_steps"] == len(steps[::5])
     assert np.isfinite(check["held_out_median_rel_error"])
     assert all(v >= 0 for v in model.coefficients.values())

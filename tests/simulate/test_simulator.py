@@ -72,11 +72,25 @@ def test_chunked_prefill_shapes_and_a_linear_cost():
     # one decode over 21 keys. Cost: 1 ms + 0.5 ms per prefill token.
     cost = Recorder({"intercept": 0.001, "prefill_tokens": 0.0005})
     run = simulate(workload((20, 2)), [0.0], cost=cost, max_num_batched_tokens=8)
-    assert cost.shapes == [StepShape(8, 0, 0, 36, 1), StepShape(8, 0, 0, 100, 1), StepShape(4, 0, 0, 74, 1),
-                           StepShape(0, 1, 21, 0, 1)]
+    # Each step the first of its row count but the second chunk of 8; each knows the rows of
+    # the ones before (StepHistory); the engine never idles.
+    assert cost.shapes == [StepShape(8, 0, 0, 36, 1, True, ()), StepShape(8, 0, 0, 100, 1, False, (8,)),
+                           StepShape(4, 0, 0, 74, 1, True, (8, 8)), StepShape(0, 1, 21, 0, 1, True, (4, 8, 8))]
     r = run.results[0]
     assert r.ttft == pytest.approx(0.005 + 0.005 + 0.003)
     assert r.e2e == pytest.approx(0.013 + 0.001)
+
+
+def test_the_first_step_of_a_row_count_costs_once_per_process():
+    # 1 ms a step, 10 ms more for the first of its row count: chunks of 8, 8, 4, then a decode
+    # pay it at 8, 4 and 1 rows; a simulated process that has run those counts does not.
+    cost = LinearCostModel({"intercept": 0.001, "new_shape": 0.010})
+    fresh = simulate(workload((20, 2)), [0.0], cost=cost, max_num_batched_tokens=8)
+    assert fresh.results[0].token_times == pytest.approx([0.011 + 0.001 + 0.011, 0.034])
+    setup = SimSetup(SchedulerConfig(max_num_batched_tokens=8), CacheConfig(block_size=4), 64,
+                     seen_rows=frozenset({1, 4, 8}))
+    warm = Simulation(setup, cost).run(workload((20, 2)), [0.0])
+    assert warm.results[0].token_times == pytest.approx([0.003, 0.004])
 
 
 def test_prefix_cache_hits_spare_the_shared_blocks():

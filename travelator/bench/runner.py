@@ -88,8 +88,10 @@ def sampling_params_for(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
-def warm_up(engine, num_requests: int = 2, prompt_len: int = 16, output_len: int = 4) -> None:
-    """Run a few short requests so one-off start-up costs stay out of the figures."""
+def warm_up(engine, num_requests: int = 2, prompt_len: int = 16, output_len: int = 4,
+            on_step: Callable[[], None] | None = None) -> None:
+    """Run a few short requests so one-off start-up costs stay out of the figures; ``on_step``
+    hears of each step that ran (``engine.last_schedule``)."""
     vocab = engine.arch.vocab_size
     lo = 3 if vocab > 4 else 0
     rng = np.random.default_rng(12345)
@@ -98,7 +100,10 @@ def warm_up(engine, num_requests: int = 2, prompt_len: int = 16, output_len: int
                            sampling_params_for(output_len))
     while engine.has_unfinished_requests():
         engine.wait_for_admission()  # dynamic batching waits for company
+        before = engine.counters.steps
         engine.step()
+        if on_step is not None and engine.counters.steps != before:
+            on_step()
 
 
 def run_engine(engine, workload: Workload, arrivals=None, *, progress: bool = True,

@@ -35,3 +35,11 @@ class LinearRoute(IntEnum):
     @property
     def onednn(self) -> bool:
         return self in (LinearRoute.ONEDNN_BF16, LinearRoute.ONEDNN_FLOAT32)
+
+
+# How the engine's start-up line (model/run_summary.py) names the most rows of a step that
+# stream their weights: past them a step's linear layers take the GEMM, and the layers run in
+# Python instead of one native call (model/layer_stack.py). The simulator's fitted step cost
+# reads the switch back from that line (sim/profiling.py ``route_switch_rows``).
+STREAMED_BF16_ROWS = "steps of up to {rows} rows stream the bf16 weights"
+STREAMED_QUANTIZED_ROWS = "the integer kernels take up to {rows} rows"

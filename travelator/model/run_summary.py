@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from travelator.model.linear_route import LinearRoute
+from travelator.model.linear_route import STREAMED_BF16_ROWS, STREAMED_QUANTIZED_ROWS, LinearRoute
 
 _ROUTE_WORDS = {
     LinearRoute.ONEDNN_BF16: "oneDNN bf16 GEMM",
@@ -42,9 +42,9 @@ def describe_run(ops, weights: list, dtype: torch.dtype, kv_dtype: torch.dtype,
     linear = ", ".join(f"{n} {words}" for words, n in routes.most_common())
     bf16 = any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
     if bf16 and ops.streaming_rows(False):
-        linear += f"; steps of up to {ops.streaming_rows(False)} rows stream the bf16 weights"
+        linear += "; " + STREAMED_BF16_ROWS.format(rows=ops.streaming_rows(False))
     if not all(isinstance(w, torch.Tensor) for w in weights) and ops.streaming_rows(True):
-        linear += f"; the integer kernels take up to {ops.streaming_rows(True)} rows, more are dequantized"
+        linear += "; " + STREAMED_QUANTIZED_ROWS.format(rows=ops.streaming_rows(True)) + ", more are dequantized"
         if getattr(ops, "w8a8_rows", 0):
             linear += f" (int8: W8A8 from {ops.w8a8_rows} rows)"
     kind = type(ops).__name__.removesuffix("Ops").lower()

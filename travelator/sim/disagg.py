@@ -81,7 +81,7 @@ class DisaggregatedSimulation:
         out = sim.scheduler.schedule()
         if out.is_empty:
             return
-        seconds = sim.cost.step_seconds(StepShape.of(out))
+        seconds = sim.cost.step_seconds(sim.history.mark(StepShape.of(out), now - pool.free_at))
         end = pool.free_at = now + seconds
         sampled = sim.sample(out)
         for req, toks in sim.scheduler.update_from_output(out, sampled):

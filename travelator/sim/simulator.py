@@ -25,7 +25,7 @@ from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.engine.step_stats import StepStats
-from travelator.sim.cost_model import CostModel, StepShape
+from travelator.sim.cost_model import CostModel, StepHistory, StepShape
 
 # What every simulated sample is: any id that is no EOS (the workload forces lengths anyway).
 SAMPLED_TOKEN_ID = 5
@@ -47,6 +47,12 @@ class SimSetup:
     # not simulated, only how often it happens).
     draft_acceptance: float = 0.0
     seed: int = 0
+    # What the simulated process ran before (``StepHistory``): the row counts of its steps,
+    # whose first step's extra cost is not paid again (empty: a freshly started engine), the
+    # rows of its last steps (the latest first) and the steps since it was idle.
+    seen_rows: frozenset[int] = frozenset()
+    recent_rows: tuple[int, ...] = ()
+    since_idle: int = 0
 
 
 class Simulation:
@@ -59,6 +65,7 @@ class Simulation:
                                  enable_prefix_caching=setup.cache.enable_prefix_caching)
         self.scheduler: SchedulerBase = make_scheduler(setup.scheduler, self.kv, lambda: self.clock.now)
         self._rng = np.random.default_rng(setup.seed)
+        self.history = StepHistory(setup.seen_rows, setup.recent_rows, setup.since_idle)
 
     def run(self, workload: Workload, arrivals) -> RunResult:
         arrivals = np.asarray(arrivals, dtype=float)
@@ -72,6 +79,7 @@ class Simulation:
         steps: list[StepRecord] = []
         sched, clock = self.scheduler, self.clock
         nxt = done = 0
+        last_end = 0.0  # when the last step ended: a later start means the engine idled
         while done < n:
             while nxt < n and arrivals[nxt] <= clock.now:
                 spec = workload.requests[nxt]
@@ -96,8 +104,9 @@ class Simulation:
                     raise RuntimeError(f"the scheduler schedules nothing, {n - done} requests unfinished")
                 clock.now = float(next_arrival)
                 continue
-            seconds = self.cost.step_seconds(StepShape.of(out))
+            seconds = self.cost.step_seconds(self.history.mark(StepShape.of(out), clock.now - last_end))
             clock.now += seconds
+            last_end = clock.now
             sampled = self.sample(out)
             done += self._finish_step(out, sampled, results, index)
             steps.append(StepRecord(clock.now, self.step_stats(out, sampled, seconds)))
