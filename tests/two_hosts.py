@@ -17,6 +17,23 @@ from dataclasses import dataclass
 import pytest
 
 
+# The start of a client script run on one host: ``wait_for(url)`` returns once the server
+# there answers /health with 200, and fails the script after ``seconds``.
+WAIT_FOR_SERVER = """
+import time, httpx
+def wait_for(url, seconds=240):
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.3)
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Host:
     namespace: str

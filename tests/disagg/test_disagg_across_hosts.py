@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from paths import STORIES, needs_stories
-from two_hosts import Host, two_hosts
+from two_hosts import WAIT_FOR_SERVER, Host, two_hosts
 
 from travelator import LLM, SamplingParams
 
@@ -27,18 +27,10 @@ SERVE = ["-m", "travelator.cli", "serve", "--model", str(STORIES), "--device", "
          "--batch-invariant", "--block-size", "8", "--num-kv-blocks", "64", "--disaggregate", "1:1",
          "--worker-threads", "1", "--port", str(PORT)]
 # Run on the first host: wait for the server, send each prompt, then read the decode side's KV figure.
-CLIENT = """
+CLIENT = WAIT_FOR_SERVER + """
 import json, sys, time, httpx
 url, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-deadline = time.monotonic() + 240
-while True:
-    try:
-        if httpx.get(url + "/health", timeout=5).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    assert time.monotonic() < deadline, "the server did not come up"
-    time.sleep(0.5)
+wait_for(url)
 answers = [httpx.post(url + "/v1/completions", timeout=120, json={"prompt": p, "max_tokens": max_tokens,
            "temperature": 0, "ignore_eos": True}).json() for p in prompts]
 time.sleep(1.5)  # the workers' figures at rest

@@ -30,7 +30,7 @@ from travelator import LLM, SamplingParams
 from travelator.disagg.frontend import DisaggConfig, DisaggregatedFrontEnd
 from travelator.engine.ray_placement import RayPlacementError
 from travelator.engine_args import engine_config
-from two_hosts import Host
+from two_hosts import WAIT_FOR_SERVER, Host
 
 pytest.importorskip("ray", reason="Ray is not installed (the test extra has it)")
 
@@ -47,20 +47,12 @@ RELEASED = "killed 2 Ray actors and removed their placement group"
 # Run on the first host: wait for the server, send each prompt counting the bytes that cross
 # the link meanwhile, read the decode side's KV figure and the workers' pids, print them all;
 # then, on a line from stdin, send one more request and print what came back.
-CLIENT = """
+CLIENT = WAIT_FOR_SERVER + """
 import json, sys, time, httpx
 url, prompts, max_tokens, stats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def link_bytes():
     return sum(int(open(f"{stats}/{name}").read()) for name in ("rx_bytes", "tx_bytes"))
-deadline = time.monotonic() + 240
-while True:
-    try:
-        if httpx.get(url + "/health", timeout=5).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    assert time.monotonic() < deadline, "the server did not come up"
-    time.sleep(0.3)
+wait_for(url)
 before = link_bytes()
 answers = [httpx.post(url + "/v1/completions", timeout=120, json={"prompt": p, "max_tokens": max_tokens,
            "temperature": 0, "ignore_eos": True}).json() for p in prompts]
