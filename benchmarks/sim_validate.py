@@ -6,7 +6,10 @@ workload through the real engine (offline, on its Poisson arrival schedule, as
 ``bench compare`` does) and through the simulator with the same settings and KV pool, and
 report the relative error of the prediction: throughput and TTFT / TPOT p50 and p99.
 The goal is within 10% at p50 and 20% at p99. Timings on a shared machine drift with its
-load: the 1-minute load average is printed beside each real run.
+load: the 1-minute load average is printed beside each real run. Two lines under each run
+tell the drift from the simulator's own error: the profile's cost model on the run's own
+steps (its total time off: the machine ran faster or slower than during the profile), and
+the simulation again with the cost refitted on those steps.
 
     python benchmarks/sim_validate.py                       # the full table (tens of minutes)
     python benchmarks/sim_validate.py --models dummy:llama-50m --rates 1 --num-requests 16 \\
@@ -18,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import astuple
 
 import numpy as np
 from travelator import LLM
@@ -27,8 +29,8 @@ from travelator.bench.metrics import compute_metrics, format_markdown_table
 from travelator.bench.runner import run_engine
 from travelator.bench.workloads import orca_synthetic
 from travelator.config import CacheConfig
-from travelator.sim.cost_model import LinearCostModel, ProfiledStep, StepShape, relative_errors
-from travelator.sim.profiling import fit_and_check, profile_engine
+from travelator.sim.cost_model import FEATURES, LinearCostModel, ProfiledStep, StepHistory, fit_linear, relative_errors
+from travelator.sim.profiling import LoopTimer, fit_and_check, profile_engine, route_switch_rows
 from travelator.sim.simulator import SimSetup, Simulation
 
 COMPARED = [("req/s", "request_throughput"), ("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
@@ -39,11 +41,18 @@ def validate_model(model: str, args: argparse.Namespace) -> list[dict]:
     settings = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
     profiler = LLM(model, **settings).engine
-    steps = profile_engine(profiler, args.profile_seconds)
-    cost, check = fit_and_check(steps)
+    # What this process has run: the GEMM library's kernels for those row counts are made
+    # already, for the profiler's engine and every later one (StepHistory).
+    history = StepHistory()
+    steps = profile_engine(profiler, args.profile_seconds, history)
+    switch = route_switch_rows(profiler.summary)
+    cost, check = fit_and_check(steps, switch)
     coef = ", ".join(f"{k} {v:.3g}" for k, v in cost.coefficients.items())
-    print(f"{model}: fitted on {len(steps)} steps ({coef}; large steps: more than {cost.large_step_rows} rows), "
-          f"held-out median error {check['held_out_median_rel_error']:.1%}")
+    print(f"{model}: fitted on {len(steps)} steps, {check['disturbed_steps_dropped']} held up by other work "
+          f"dropped ({coef}; large steps: more than {cost.large_step_rows} rows, as the engine names its "
+          f"kernel switch: {check['switch_rows_named_by_engine']}; recovery over {cost.recovery_steps} steps), "
+          f"held-out median error "
+          f"{check['held_out_median_rel_error']:.1%}")
     recorded = {"profile": steps}
     vocab, ctx = profiler.arch.vocab_size, profiler.max_model_len
     del profiler
@@ -53,28 +62,30 @@ def validate_model(model: str, args: argparse.Namespace) -> list[dict]:
     rows = []
     for mode in args.modes:
         engine = LLM(model, batching=mode, **settings).engine
-        setup = SimSetup(engine.config.scheduler, CacheConfig(num_kv_blocks=args.num_kv_blocks,
-                                                              enable_prefix_caching=False), args.num_kv_blocks)
+        cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
         for k, rate in enumerate(args.rates):
+            # The simulated process has run what this one has: the same first steps cost extra.
+            setup = SimSetup(engine.config.scheduler, cache, args.num_kv_blocks, seen_rows=frozenset(history.seen),
+                             recent_rows=history.recent_rows, since_idle=history.since_idle)
             arrivals = arrival_times(len(workload), rate, seed=args.seed)
             work = workload.salted(k + 1)
             load = os.getloadavg()[0]
-            steps: list[ProfiledStep] = []
-            real = run_engine(engine, work, arrivals, progress=False, record_steps=False,
-                              on_step=lambda _o, e=engine, s=steps: s.append(
-                                  ProfiledStep(StepShape.of(e.last_schedule), e.last_step.duration_s)))
+            timer = LoopTimer(engine, history)
+            real = run_engine(engine, work, arrivals, progress=False, record_steps=False, on_step=timer)
+            steps = timer.steps()
             step_errors = print_step_error(mode, rate, cost, steps)
             recorded[f"{mode} {rate:g} req/s"] = steps
             sim = Simulation(setup, cost).run(work, arrivals)
-            rows.append(compare_row(model, mode, rate, load, compute_metrics(real.results, real.duration_s),
-                                    compute_metrics(sim.results, sim.duration_s)))
+            real_metrics = compute_metrics(real.results, real.duration_s)
+            rows.append(compare_row(model, mode, rate, load, real_metrics, compute_metrics(sim.results, sim.duration_s)))
             rows[-1]["cost model on real steps"] = step_errors
+            rows[-1]["refit on own steps"] = own_steps_errors(setup, steps, switch, work, arrivals, real_metrics)
             print(format_markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
     if args.steps_json:
         # Every step's shape and time, profile and real runs: cost models can be refitted and
         # checked against the real runs offline.
         with open(f"{args.steps_json}.{model.replace(':', '_')}.json", "w") as f:
-            json.dump({k: [[*astuple(s.shape), s.seconds] for s in v] for k, v in recorded.items()}, f)
+            json.dump({k: [s.to_row() for s in v] for k, v in recorded.items()}, f)
     return rows
 
 
@@ -90,6 +101,21 @@ def print_step_error(mode: str, rate: float, cost: LinearCostModel, steps: list[
             errors[f"{label} steps"] = {"count": len(part), "median_rel_error": median, "total_time_rel_error": total}
             parts.append(f"{label} {len(part)} steps: median error {median:.1%}, total time {total:+.1%}")
     print(f"  cost model on the real {mode} run's steps at {rate:g} req/s: " + "; ".join(parts), flush=True)
+    return errors
+
+
+def own_steps_errors(setup: SimSetup, steps: list[ProfiledStep], switch: tuple[int, ...], work, arrivals,
+                     real: dict) -> dict:
+    """The simulation again, its cost refitted on the real run's own steps: what is left of the
+    error is the simulator's (the scheduler, the loop, the cost model's form), not the drift
+    of the machine's speed between the profile and the run."""
+    if len(steps) < 2 * len(FEATURES):
+        return {}
+    sim = Simulation(setup, fit_linear(steps, switch)).run(work, arrivals)
+    row = compare_row("", "", 0, 0, real, compute_metrics(sim.results, sim.duration_s))
+    errors = {label: row[f"err {label}"] for label, _ in COMPARED}
+    print("  simulated with the cost refitted on the run's own steps: "
+          + ", ".join(f"{k} {v:+.0%}" for k, v in errors.items() if v is not None), flush=True)
     return errors
 
 
