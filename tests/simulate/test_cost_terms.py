@@ -139,6 +139,23 @@ def test_steps_held_up_by_other_work_are_dropped_from_the_fit():
     assert np.median(relative_errors(fitted, steps)) < 0.03
 
 
+def test_a_held_up_step_does_not_bend_the_history_s_terms():
+    # Held up 20x, one in five of the steps right after a prompt or an idle spell, on steps
+    # timed 10% apart: a first fit with the fading terms bends them to explain those steps
+    # (the after-idle term five times its size, fading within the step), keeps them, and so
+    # keeps the bend. The held-up steps are found by a fit of the shape alone.
+    steps = light_load(600, noise=0.1, seed=8)
+    marked = [i for i, s in enumerate(steps) if s.shape.since_idle == 1
+              or (s.shape.rows <= SWITCH and s.shape.recent_rows[:1] > (SWITCH,))]
+    held_up = set(marked[::5])
+    disturbed = [ProfiledStep(s.shape, s.seconds * (20.0 if i in held_up else 1.0)) for i, s in enumerate(steps)]
+    fitted = fit_linear(disturbed, switch_rows=(SWITCH,))
+    assert fitted.info["disturbed_steps_dropped"] == len(held_up) > 20
+    assert fitted.recovery_steps == RECOVERY
+    for name in ("streamed_after_large", "after_idle", "after_idle_rows"):
+        assert fitted.coefficients[name] == pytest.approx(LIGHT[name], rel=0.25), name
+
+
 def test_route_switch_rows_reads_the_engine_s_start_up_line():
     line = ("model m (llama, 56.4M parameters): bfloat16 on cpu, native kernels: linear layers 33 oneDNN bf16 "
             f"GEMM; {STREAMED_BF16_ROWS.format(rows=2)}; attention native; KV cache bfloat16")

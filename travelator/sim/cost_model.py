@@ -103,6 +103,8 @@ class CostModel(Protocol):
 FEATURES = ("intercept", "large_step", "prefill_tokens", "decode_tokens", "requests", "decode_context",
             "prefill_pairs", "streamed_rows", "streamed_after_large", "after_idle", "after_idle_rows", "new_shape",
             "new_shape_rows")
+# The terms of what ran before a step (``StepHistory``).
+HISTORY_FEATURES = ("streamed_after_large", "after_idle", "after_idle_rows", "new_shape", "new_shape_rows")
 # Row counts above which a step may take another kernel path (``large_step``), tried where the
 # engine does not name its own (``profiling.route_switch_rows``): the fit keeps the one that
 # explains the steps best (a CPU streams the weights of a few-row step, and multiplies larger
@@ -212,14 +214,15 @@ def fit_linear(steps: list[ProfiledStep], switch_rows: Sequence[int] = ()) -> Li
     which the engine says its kernels change, or else none and each of
     ``LARGE_STEP_CANDIDATES``) and each of ``RECOVERY_CANDIDATES``; the best fit wins. Steps
     that other work on the machine held up (far slower than the fit) are dropped and the fit
-    made again without them."""
+    made again without them (found by a fit without the terms of ``StepHistory``)."""
     if len(steps) < 2 * len(FEATURES):
         raise ValueError(f"fitting needs at least {2 * len(FEATURES)} profiled steps, got {len(steps)}")
     candidates = [(t, r) for t in (tuple(switch_rows) or (None, *LARGE_STEP_CANDIDATES)) for r in RECOVERY_CANDIDATES]
-    model = _best_fit(steps, candidates)
-    kept = [s for s, bad in zip(steps, disturbed(model, steps)) if not bad]
-    if len(kept) < len(steps) and len(kept) >= 2 * len(FEATURES):
-        model = _best_fit(kept, candidates)
+    # Held-up steps are found by a fit of the shape alone: the history's terms each bear on
+    # few steps, and a fit with them would bend them to explain a held-up one.
+    shape_only = _best_fit(steps, candidates, HISTORY_FEATURES)
+    kept = [s for s, bad in zip(steps, disturbed(shape_only, steps)) if not bad]
+    model = _best_fit(kept if len(kept) >= 2 * len(FEATURES) else steps, candidates)
     model.info["disturbed_steps_dropped"] = len(steps) - len(kept)
     return model
 
@@ -232,9 +235,15 @@ def disturbed(model: CostModel, steps: list[ProfiledStep]) -> np.ndarray:
     return excess > max(DISTURBED_EXCESS, DISTURBED_MEDIANS * float(np.median(np.abs(excess))))
 
 
-def _best_fit(steps: list[ProfiledStep], candidates: Sequence[tuple[int | None, float]]) -> LinearCostModel:
+def _best_fit(steps: list[ProfiledStep], candidates: Sequence[tuple[int | None, float]],
+              left_out: Sequence[str] = ()) -> LinearCostModel:
     y = np.array([s.seconds for s in steps])
-    fits = [_fit_nonnegative(np.array([feature_row(s.shape, t, r) for s in steps]), y, t, r) for t, r in candidates]
+    out = [FEATURES.index(name) for name in left_out]
+    fits = []
+    for t, r in candidates:
+        x = np.array([feature_row(s.shape, t, r) for s in steps])
+        x[:, out] = 0.0
+        fits.append(_fit_nonnegative(x, y, t, r))
     return min(fits, key=lambda f: f[1])[0]
 
 
