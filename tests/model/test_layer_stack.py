@@ -54,8 +54,8 @@ def _generate(llm: LLM, use_stack: bool) -> tuple[list, int]:
     ("dummy:qwen3-moe-tiny", "bfloat16", "int4", "auto"),
 ])
 def test_the_layer_stack_gives_the_python_layers_bits(model, dtype, quantization, kv):
-    # Two seats: decode steps of one and two rows (bf16's small_m_linear takes 2 rows on
-    # AVX512-BF16, 4 on AVX2), prompts in steps of 3-9 rows that only int8/int4 stream.
+    # Two seats: decode steps of one and two rows (bf16's small_m_linear takes up to 4 rows
+    # on AVX512-BF16 and AVX2), prompts in steps of 3-9 rows, the longer ones only int8/int4 stream.
     llm = LLM(model, device="cpu", dtype=dtype, quantization=quantization, quantization_group_size=32,
               kv_cache_dtype=kv, max_num_seqs=2, enable_prefix_caching=False)
     python, none = _generate(llm, use_stack=False)

@@ -6,8 +6,8 @@
 // next rows prefetched, runs closer to the bandwidth of a sum (docs/benchmarks.md).
 //
 // Two builds of the same loop:
-// - AVX512-BF16: 32 lanes a step, vdpbf16ps (bf16 pairs into float32 sums); up to 2 rows
-//   (past them oneDNN's AMX GEMM is faster).
+// - AVX512-BF16: 32 lanes a step, vdpbf16ps (bf16 pairs into float32 sums); up to 4 rows
+//   (past them oneDNN's AMX GEMM makes the step faster).
 // - AVX2 + FMA (vec8.h): 8 lanes a step, each bf16 widened to float32 (a shift: exact), then FMA;
 //   up to 4 rows (past them float32 GEMM over widened weights wins).
 // Every output is summed over K in the same order whatever M is and however N is split

@@ -14,7 +14,9 @@
 
 namespace travelator::small_m {
 
-constexpr int64_t kMaxRows = 2;  // past two rows oneDNN's AMX GEMM is faster here
+// Past four rows oneDNN's AMX GEMM makes the step faster: the tiles' dot products, not the
+// weights' bytes, then bound it (docs/benchmarks.md).
+constexpr int64_t kMaxRows = 4;
 using XRow = c10::BFloat16;  // the tiles read x as it is
 constexpr int64_t kOutTile = 4;  // weight rows read together
 constexpr int64_t kAhead = kOutTile;  // prefetch distance in weight rows: the next tile
@@ -64,8 +66,12 @@ void chunk_of(const XRow* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t K
 
 inline void chunk(const XRow* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t M, int64_t K, int64_t N,
                   int64_t c) {
-  if (M == 1) chunk_of<1>(x, w, y, K, N, c);
-  else chunk_of<2>(x, w, y, K, N, c);
+  switch (M) {
+    case 1: return chunk_of<1>(x, w, y, K, N, c);
+    case 2: return chunk_of<2>(x, w, y, K, N, c);
+    case 3: return chunk_of<3>(x, w, y, K, N, c);
+    default: return chunk_of<4>(x, w, y, K, N, c);
+  }
 }
 
 // x as the tiles read it.
