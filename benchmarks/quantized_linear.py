@@ -1,7 +1,7 @@
 """One linear layer, bf16 against int8 and int4 weights, at the row counts of real steps.
 
 bf16, int8 and int4 run the engine's own path (``NativeOps.linear``). bf16: the streaming
-kernel ``small_m_linear`` up to 2 rows (4 on AVX2), oneDNN's pre-packed GEMM above (AMX /
+kernel ``small_m_linear`` up to 4 rows, oneDNN's pre-packed GEMM above (AMX /
 AVX-512 bf16, or float32 on widened weights where there is no bf16 GEMM). int8 and int4: the
 engine's integer kernel (``csrc/quant_linear.cpp``) up to ``NativeOps.quant_kernel_rows`` rows
 (32, or 256 without a bf16 GEMM; ``--quant-kernel-rows`` overrides it), above that the weight

@@ -79,8 +79,8 @@ class ModelConfig:
         "HF-layout directory, .gguf file or dummy:<preset> (presets: tiny, llama-50m, llama-250m, "
         "llama-1b, llama-8b, qwen3-tiny, qwen3-50m); default: the built-in one")]
     dtype: Annotated[DType, Setting(
-        "weights and activations (auto: float32 checkpoints stay float32, others bfloat16 on "
-        "CUDA and wherever the native CPU kernels run)")] = "auto"
+        "weights and activations (auto: bfloat16, a float32 checkpoint's too, on CUDA and "
+        "wherever the native CPU kernels run; float32 elsewhere)")] = "auto"
     load_format: Annotated[LoadFormat, Setting(
         "dummy: random weights of the model's shape")] = "auto"
     max_model_len: Annotated[int | None, Setting(

@@ -30,7 +30,7 @@ from travelator.engine.scheduler import SchedulerBase
 from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.engine.step_stats import EngineCounters, StepStats
-from travelator.model.device import pick_device, resolve_dtype, resolve_kv_dtype
+from travelator.model.device import halved_note, pick_device, resolve_dtype, resolve_kv_dtype
 from travelator.model.loader import ModelSource, open_model
 from travelator.model.ops import native_kernels_chosen
 from travelator.sampling_params import SamplingParams
@@ -48,8 +48,7 @@ class LLMEngine:
         self.arch = source.arch
         self.tokenizer = source.tokenizer
         self.device = pick_device(mc.device)
-        dtype = resolve_dtype(mc.dtype, source.checkpoint_dtype, self.device,
-                              native_cpu_kernels=native_kernels_chosen(mc.kernels, self.device))
+        dtype = resolve_dtype(mc.dtype, self.device, native_cpu_kernels=native_kernels_chosen(mc.kernels, self.device))
         kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, self.device)
         self.max_model_len = self._context_limit()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.arch.eos_token_ids)
@@ -83,7 +82,7 @@ class LLMEngine:
         self.set_steps_in_flight(config.parallel.pipeline_parallel_size)
         # What the defaults chose here: the line LLM and the CLI print once at start-up.
         self.summary = (f"model {self.model_name} ({self.arch.family}, {self.arch.num_parameters / 1e6:.1f}M "
-                        f"parameters): {self.runner.describe()}; KV pool {num_blocks} blocks x {block_size} "
+                        f"parameters): {self.runner.describe()}{halved_note(mc.dtype, source.checkpoint_dtype, dtype)}; KV pool {num_blocks} blocks x {block_size} "
                         f"tokens; context {self.max_model_len}")
         logger.info("%s", self.summary)
 

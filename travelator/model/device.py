@@ -45,22 +45,27 @@ def cpu_model_name() -> str:
         return "unknown CPU"
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device,
-                  native_cpu_kernels: bool = True) -> torch.dtype:
-    """"auto" keeps a float32 checkpoint in float32 and otherwise takes bfloat16 wherever
-    it is the faster format: on CUDA, and on every CPU the native kernels run on. Where the
-    CPU has no bf16 GEMM (AVX2 machines) those kernels still store bf16 and compute in float32
-    (model/native_linear.py), which reads half the bytes of float32 weights; only torch's
-    own bf16 matmul, without the native kernels, is slower than float32 there."""
+def resolve_dtype(requested: str, device: torch.device, native_cpu_kernels: bool = True) -> torch.dtype:
+    """"auto" takes bfloat16 wherever it is the faster format, whatever the checkpoint holds
+    (a float32 checkpoint too, as vLLM's "auto" halves one): on CUDA, and on every CPU the
+    native kernels run on. Where the CPU has no bf16 GEMM (AVX2 machines) those kernels still
+    store bf16 and compute in float32 (model/native_linear.py), which reads half the bytes of
+    float32 weights; only torch's own bf16 matmul, without the native kernels, is slower than
+    float32 there."""
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
         return _DTYPES[requested]
-    if checkpoint_dtype == "float32":
-        return torch.float32
     if device.type == "cuda" or native_cpu_kernels or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def halved_note(requested: str, checkpoint_dtype: str | None, dtype: torch.dtype) -> str:
+    """What the start-up line says when "auto" holds a float32 checkpoint in 16 bits."""
+    if requested != "auto" or checkpoint_dtype != "float32" or dtype == torch.float32:
+        return ""
+    return f"; the checkpoint's float32 weights held in {str(dtype).removeprefix('torch.')} (--dtype float32 keeps them)"
 
 
 def resolve_kv_dtype(requested: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -70,4 +75,4 @@ def resolve_kv_dtype(requested: str, model_dtype: torch.dtype, device: torch.dev
         return model_dtype
     if requested == "int8":
         return torch.int8
-    return resolve_dtype(requested, None, device)
+    return resolve_dtype(requested, device)
