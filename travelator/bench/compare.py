@@ -27,7 +27,7 @@ from pathlib import Path
 
 from travelator.bench.arrivals import arrival_times
 from travelator.bench.metrics import compute_metrics, format_markdown_table, format_table
-from travelator.bench.runner import RunResult, run_engine, warm_up
+from travelator.bench.runner import RunResult, busy_seconds, run_engine, warm_up
 from travelator.bench.workloads import Workload
 from travelator.dashboard.page import render_page
 from travelator.dashboard.walkway import WalkwayRecorder
@@ -347,7 +347,7 @@ def plot_occupancy(traces: dict[str, dict], modes: list[str], max_num_seqs: int,
         ax.axhline(max_num_seqs, color="black", ls="--", lw=1, label=f"max_num_seqs = {max_num_seqs}")
         if busy:
             dur = tr.get("duration_s", [])
-            tot = sum(dur) or 1.0
+            tot = busy_seconds(tr.get("t", []), dur) or 1.0
             occ = sum(b * d for b, d in zip(busy, dur)) / (tot * max_num_seqs)
             ax.set_title(f"{MODE_STYLE[sched]['label']}: {len(busy)} steps, "
                          f"{occ:.0%} of seat-time busy", fontsize=9)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -67,8 +67,10 @@ class RunResult:
                        mean_accepted_length=accepted / sum(s.stats.num_speculating for s in self.steps))
         if self.max_num_seqs:
             out["mean_occupancy"] = float(reqs.mean() / self.max_num_seqs)
-            # Weighted by step time: the share of seat-seconds doing useful work.
-            out["time_weighted_occupancy"] = float((reqs * busy).sum() / (busy.sum() * self.max_num_seqs))
+            # Weighted by step time: the share of seat-seconds doing useful work (of the time
+            # some step ran: steps in flight together fill seats together).
+            wall = busy_seconds([s.t for s in self.steps], busy)
+            out["time_weighted_occupancy"] = float((reqs * busy).sum() / (wall * self.max_num_seqs))
         return out
 
     def steps_as_lists(self) -> dict[str, list]:
@@ -77,6 +79,22 @@ class RunResult:
             return {}
         rows = [{"t": s.t, **asdict(s.stats)} for s in self.steps]
         return {c: [_compact(r[c]) for r in rows] for c in rows[0]}
+
+
+# Less overlap than this between two steps is the rounding of a clock's sums, not steps in flight together.
+_OVERLAP_NOISE_S = 1e-9
+
+
+def busy_seconds(ends: Sequence[float], durations: Sequence[float]) -> float:
+    """The seconds in which some step ran, each having run for its duration up to its end: their
+    sum less their overlaps (several steps in flight at once, as a simulated pipeline keeps
+    them; none when one step runs at a time)."""
+    busy, reach = 0.0, float("-inf")
+    for end, d in sorted(zip(ends, durations), key=lambda s: s[0] - s[1]):
+        overlap = reach - (end - d)
+        busy += d - min(overlap, d) if overlap > _OVERLAP_NOISE_S else d
+        reach = max(reach, end)
+    return busy
 
 
 def _compact(v):

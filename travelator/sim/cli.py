@@ -45,7 +45,8 @@ def add_simulate_parser(subparsers) -> None:
     g.add_argument("--model-shape", default=None, metavar="JSON",
                    help="--hardware: the model's shape from a file instead of --model")
     g.add_argument("--pipeline-stages", type=int, default=1,
-                   help="--hardware: layers split over this many devices in sequence")
+                   help="--hardware: layers split over this many devices in sequence, a step per "
+                        "stage in flight as the engine keeps them")
     g = sim.add_argument_group("simulation")
     g.add_argument("--handoff-gbps", type=float, default=None,
                    help="disaggregated: the KV hand-off link in GB/s (default: the --hardware interconnect)")

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -98,6 +98,37 @@ class StepHistory:
 
 class CostModel(Protocol):
     def step_seconds(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """One step through a pipeline: each stage's seconds, first to last, and the send of its
+    activations from one stage to the next."""
+
+    stages: tuple[float, ...]
+    send: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """What the step takes when no stage is busy with another: one micro-batch's time."""
+        return sum(self.stages) + (len(self.stages) - 1) * self.send
+
+
+@runtime_checkable
+class PipelinedCostModel(CostModel, Protocol):
+    """A cost model that knows a step's time per pipeline stage (the roofline): the simulator
+    keeps up to ``pipeline_stages`` steps in flight on it, as the engine does."""
+
+    @property
+    def pipeline_stages(self) -> int: ...
+
+    def stage_times(self, shape: StepShape) -> StageTimes: ...
+
+
+def pipeline_stages(cost: CostModel) -> int:
+    """How many stages a step passes through (1: the whole model in one, as fitted models are:
+    they time whole steps of one process, which says nothing of how a split would share it)."""
+    return cost.pipeline_stages if isinstance(cost, PipelinedCostModel) else 1
 
 
 FEATURES = ("intercept", "large_step", "prefill_tokens", "decode_tokens", "requests", "decode_context",

@@ -5,8 +5,9 @@ when it is free: the prefill pool computes each prompt and its first token, as t
 hand-off does (``max_tokens`` 1, then the KV leaves); the KV then takes ``handoff_seconds``
 to reach the decode pool, which places it as the engine's ``add_handoff`` does (blocks for
 every token but the one sampled, waiting while its pool has no room) and decodes the rest.
-The two pools run at the same time on one simulated clock: a step's tokens appear when it
-ends, and a pool's next step starts when its last one has ended.
+The two pools run at the same time on one simulated clock, each moving as the engine's step
+loop does (``Simulation.act``: with pipeline stages, a step per stage in flight); a step's
+tokens appear when it lands.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from travelator.bench.metrics import RequestResult
 from travelator.bench.runner import RunResult, StepRecord, sampling_params_for
 from travelator.bench.workloads import Workload
 from travelator.engine.request import Request, RequestStatus, Stop
-from travelator.sim.cost_model import StepShape
+from travelator.sim.pipeline import Flight
 from travelator.sim.simulator import SAMPLED_TOKEN_ID, Simulation
 
 
@@ -28,20 +29,11 @@ from travelator.sim.simulator import SAMPLED_TOKEN_ID, Simulation
 HandoffTime = Callable[[int], float]
 
 
-class _Pool:
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
-        self.free_at = 0.0
-
-    def has_work(self) -> bool:
-        return self.sim.scheduler.has_unfinished()
-
-
 class DisaggregatedSimulation:
     def __init__(self, prefill: Simulation, decode: Simulation,
                  handoff_seconds: HandoffTime) -> None:
         """``handoff_seconds(num_tokens)``: how long the KV of that many tokens takes to move."""
-        self.prefill, self.decode = _Pool(prefill), _Pool(decode)
+        self.prefill, self.decode = prefill, decode
         self.handoff_seconds = handoff_seconds
 
     def run(self, workload: Workload, arrivals) -> RunResult:
@@ -57,34 +49,42 @@ class DisaggregatedSimulation:
         while self._done < n:
             while nxt < n and arrivals[nxt] <= now:
                 spec = workload.requests[nxt]
-                self.prefill.sim.scheduler.add_request(
+                self.prefill.scheduler.add_request(
                     Request(f"sim-{nxt}", list(spec.prompt_token_ids), sampling_params_for(1), max_tokens=1))
                 nxt += 1
-            self._place_handoffs(now)
             for pool in (self.prefill, self.decode):
-                if pool.free_at <= now and pool.has_work():
-                    self._step(pool, now)
-            # What can change next: an arrival, a hand-off's KV arriving, a pool's step ending.
+                self._drive(pool, now)
+            if self._done == n:
+                break
+            # What can change next: an arrival, a hand-off's KV arriving, a pool's next move.
             candidates = [arrivals[nxt] if nxt < n else None, self._handoffs[0][0] if self._handoffs else None,
-                          self.prefill.free_at, self.decode.free_at]
+                          self.prefill.due, self.decode.due]
             events = [t for t in candidates if t is not None and t > now]
             if not events:
                 raise RuntimeError(f"the pools schedule nothing, {n - self._done} requests unfinished")
-            now = max(now, min(events))
+            now = min(events)
         end = max(r.end for r in self._results)
         return RunResult(self._results, end, sorted(self._steps, key=lambda s: s.t),
-                         self.decode.sim.setup.scheduler.max_num_seqs)
+                         self.decode.setup.scheduler.max_num_seqs)
 
-    def _step(self, pool: _Pool, now: float) -> None:
-        sim = pool.sim
-        sim.clock.now = now
-        out = sim.scheduler.schedule()
-        if out.is_empty:
-            return
-        seconds = sim.cost.step_seconds(sim.history.mark(StepShape.of(out), now - pool.free_at))
-        end = pool.free_at = now + seconds
-        sampled = sim.sample(out)
-        for req, toks in sim.scheduler.update_from_output(out, sampled):
+    def _drive(self, pool: Simulation, now: float) -> None:
+        """Every move the pool's engine makes at ``now`` (``Simulation.act``), the hand-offs
+        whose KV has arrived joining the decode pool before each (a landing step may have freed
+        the blocks they wait for)."""
+        pool.clock.now = now
+        while pool.due is None or pool.due <= now:
+            self._place_handoffs(now)
+            flight = pool.act()
+            if flight is not None:
+                self._landed(pool, flight)
+            elif pool.due is None:
+                return
+
+    def _landed(self, pool: Simulation, flight: Flight) -> None:
+        """A step's tokens are back: a prompt done in the prefill pool sends its KV off, a
+        request done in the decode pool (or one whose output is one token) ends."""
+        end = flight.end
+        for req, toks in pool.scheduler.update_from_output(flight.out, flight.sampled):
             i = int(req.request_id.removeprefix("sim-"))
             r = self._results[i]
             # Tokens past max_tokens (accepted drafts) are dropped, as find_stop drops them.
@@ -92,18 +92,18 @@ class DisaggregatedSimulation:
             r.token_times.extend([end] * (len(toks) - extra))
             if len(req.output_token_ids) < req.max_tokens:
                 continue
-            sim.scheduler.stop_request(req, extra, Stop(RequestStatus.FINISHED_LENGTH))
+            pool.scheduler.stop_request(req, extra, Stop(RequestStatus.FINISHED_LENGTH))
             if pool is self.prefill and r.expected_output_len > 1:
                 heapq.heappush(self._handoffs, (end + self.handoff_seconds(req.num_prompt_tokens), i))
             else:
                 r.end, r.output_len, r.success = end, len(r.token_times), True
                 self._done += 1
-        self._steps.append(StepRecord(end, sim.step_stats(out, sampled, seconds)))
+        self._steps.append(StepRecord(end, pool.step_stats(flight.out, flight.sampled, flight.seconds)))
 
     def _place_handoffs(self, now: float) -> None:
         """Requests whose KV has arrived join the decode pool, first come first served; one
         that finds no room waits (with those behind it) for the pool's next step."""
-        sim = self.decode.sim
+        sim = self.decode
         while self._handoffs and self._handoffs[0][0] <= now:
             i = self._handoffs[0][1]
             spec = self._workload.requests[i]

@@ -6,8 +6,10 @@ the longer of its arithmetic at the device's peak FLOP/s and its memory traffic 
 device's bandwidth, each scaled by an efficiency factor (what a real kernel reaches of the
 peak). Tensor parallelism divides both over the ranks and adds two all-reduces of the
 step's activations per layer; pipeline parallelism divides the layers over the stages and
-adds a send between stages. The simulator runs one step at a time, so pipeline stages do
-not overlap here: a step takes the sum of its stages (what one micro-batch sees).
+adds a send between stages. ``stage_times`` gives each stage's time and the send, which the
+simulator uses to keep one step per stage in flight as the engine does (``sim/pipeline.py``);
+``step_seconds`` is one step through all stages with none busy with another step (what one
+micro-batch sees on its own).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from travelator.model.arch import ModelArch
-from travelator.sim.cost_model import StepShape
+from travelator.sim.cost_model import StageTimes, StepShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,17 +130,31 @@ class RooflineCostModel:
         volume = 2 * (self.tp - 1) / self.tp * num_bytes if all_reduce else num_bytes
         return hw.interconnect_latency + volume / hw.interconnect_bandwidth
 
-    def step_seconds(self, shape: StepShape) -> float:
+    @property
+    def pipeline_stages(self) -> int:
+        return self.pp
+
+    def stage_times(self, shape: StepShape) -> StageTimes:
+        """Each stage's layers (split as ``model/pp_stage.stage_bounds`` splits them: the first
+        stages take one more when the stages do not divide the layers), the LM head on the last
+        stage, the host's work per step on the first (the driver, which schedules and runs
+        stage 0), and the send of the step's activations between two stages."""
         m = self.model
         rows = shape.prefill_tokens + shape.decode_tokens
         layer = sum(self._linear(rows, n, k) for n, k in m.projections()) + self._attention(shape)
         activations = rows * m.hidden_size * m.bytes_per_param
         if self.tp > 1:
             layer += 2 * self._send(activations, all_reduce=True)
-        total = m.num_layers * layer + self._linear(shape.num_requests, m.vocab_size, m.hidden_size)
-        if self.pp > 1:
-            total += (self.pp - 1) * self._send(activations, all_reduce=False)
-        return total + self.hw.step_overhead
+        base, extra = divmod(m.num_layers, self.pp)
+        stages = [(base + (s < extra)) * layer for s in range(self.pp)]
+        stages[-1] += self._linear(shape.num_requests, m.vocab_size, m.hidden_size)
+        stages[0] += self.hw.step_overhead
+        send = self._send(activations, all_reduce=False) if self.pp > 1 else 0.0
+        return StageTimes(tuple(stages), send)
+
+    def step_seconds(self, shape: StepShape) -> float:
+        """One step through every stage, none busy with another step."""
+        return self.stage_times(shape).total
 
     def kv_blocks(self, block_size: int, memory_share: float = 0.9) -> int:
         """KV blocks that fit beside the weights in the devices' memory share."""

@@ -71,6 +71,9 @@ def build_simulation(args: argparse.Namespace) -> SimulationSpec:
         arch = open_model(model, "dummy").arch
         shape, context = ModelShape.from_arch(arch), args.max_model_len or arch.max_position_embeddings
     config = engine_config(model, **engine_kwargs(args))
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError("simulate: give the stages as --pipeline-stages (with --hardware), "
+                         "not --pipeline-parallel-size")
     scheduler = config.scheduler
     if scheduler.speculative_method == "ngram":
         # An n-gram lookup proposes from the tokens' contents, which a simulation does not
@@ -114,6 +117,11 @@ def _handoff_time(args: argparse.Namespace, shape: ModelShape, cost: CostModel) 
 
 def _cost_model(args: argparse.Namespace, shape: ModelShape) -> tuple[CostModel, str]:
     if args.cost_model is not None:
+        if args.pipeline_stages != 1:
+            # A fitted model times whole steps of one process: nothing in it says how a split
+            # would share a step between stages, nor what the sends between them cost.
+            raise ValueError("--pipeline-stages needs a roofline (--hardware): a fitted cost model "
+                             "times whole steps, not stages")
         return LinearCostModel.load(args.cost_model), f"fitted {args.cost_model}"
     hw = Hardware.load(args.hardware)
     cost = RooflineCostModel(shape, hw, args.tensor_parallel_size, args.pipeline_stages)
