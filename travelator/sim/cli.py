@@ -75,7 +75,7 @@ def add_simulate_parser(subparsers) -> None:
     add_engine_args(fit)
     fit.add_argument("--output", required=True, help="the cost model's JSON file")
     fit.add_argument("--profile-seconds", type=float, default=60.0,
-                     help="about how long the profiling run takes")
+                     help="about how long the profiling run takes (its plan runs once whole however long that takes)")
     fit.set_defaults(func=cmd_fit_step_cost)
 
 

@@ -91,8 +91,9 @@ class LoopTimer:
 
 def profile_engine(engine, budget_s: float, history: StepHistory | None = None,
                    passes: int = PLAN_PASSES) -> list[ProfiledStep]:
-    """The steps of the profiling plan (``LoopTimer``), up to ``passes`` times over while the
-    budget lasts (a later pass: more steps of the same shapes, not their first); ``history``:
+    """The steps of the profiling plan (``LoopTimer``): once whole, the shapes the fit needs,
+    however long that takes on a busy machine; then up to ``passes - 1`` times more while the
+    budget lasts (more steps of the same shapes, not their first); ``history``:
     what this process has run (a new one where None), which learns the plan's steps."""
     from travelator.bench.runner import run_engine, warm_up
 
@@ -102,7 +103,7 @@ def profile_engine(engine, budget_s: float, history: StepHistory | None = None,
     plan = profiling_plan(engine.arch.vocab_size, engine.max_model_len)
     start = time.perf_counter()
     for k in range(passes * len(plan)):
-        if time.perf_counter() - start > budget_s:
+        if k >= len(plan) and time.perf_counter() - start > budget_s:
             break
         workload, arrivals = plan[k % len(plan)]
         # Salted per run: no prefix-cache hit on an earlier run's blocks.
