@@ -480,6 +480,43 @@ def test_the_native_quantized_kernel_is_exact_at_the_edges_of_its_integers(metho
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 32)])
+def test_past_the_kernel_a_kept_bf16_copy_multiplies_what_the_weight_stands_for(method, group, monkeypatch):
+    """Where there is a bf16 GEMM, prepare keeps a bf16 copy of each quantized weight, which
+    the rows past the integer kernel multiply (against x @ w^T in float64, with a bias, 3-D x);
+    where the copies would take more than their share of the memory, none is kept, the start-up
+    words say why, and the rows are dequantized at every call as before, to the same result."""
+    from travelator.model import native_linear
+    from travelator.model.run_summary import describe_run
+
+    ops = _native_ops()
+    if not ops._linear._bf16_gemm:
+        pytest.skip("no bf16 GEMM on this CPU: past the kernel the rows take float32 or W8A8")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 256, generator=g) * 0.02
+    q = quantize(w, method, group) if group else quantize(w, method)
+    bias = torch.randn(200, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, ops.quant_kernel_rows + 8, 256, generator=g).to(torch.bfloat16)
+    ref = x.double() @ _reference_weight(q).T + bias.double()
+    results = {}
+    for room in (True, False):
+        fresh = _native_ops()
+        if not room:
+            monkeypatch.setattr(native_linear, "available_bytes", lambda: 2 * 200 * 256)
+        fresh.prepare([q])
+        assert fresh.gemm_copies is room
+        words = describe_run(fresh, [q], torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+        assert ("more a bf16 copy kept for the GEMM" in words) is room
+        assert ("dequantized at every call (their bf16 copies would take" in words) is not room
+        got = fresh.linear(x, q, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (2, ops.quant_kernel_rows + 8, 200)
+        # bf16 output and a bf16 GEMM over bf16 weights: a few of bf16's rounding steps.
+        assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+        results[room] = got
+    # The same bf16 values multiplied: the two paths differ at most by their sums' order.
+    assert torch.allclose(results[True].float(), results[False].float(), rtol=1e-2, atol=1e-2)
+
+
 def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart():
     """NaN in x comes out as NaN (in its own row only); a bias is added; 3-D x and 0 rows;
     float16 goes through torch; the dequantizing path (past quant_kernel_rows) in several column

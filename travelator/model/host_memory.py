@@ -55,3 +55,16 @@ def retain_freed_memory() -> bool:
         log.warning("glibc refused some of the malloc settings that keep freed memory (one heap %s, "
                     "blocks from the heap %s, no trimming %s); steps may page-fault", one_heap, from_heap, kept)
     return taken
+
+
+def available_bytes() -> int | None:
+    """The memory the kernel says new allocations can take without swapping (MemAvailable);
+    None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -8,9 +8,10 @@ where oneDNN has no bf16 GEMM, laid out in panels of 16 columns for travelator's
 ``panel_linear`` (float32 sums over the bf16 weight; widened to float32 and packed for oneDNN
 where that kernel is not built or the columns do not divide). A float32 weight is packed for
 oneDNN's float32 GEMM. A call only follows the route; within the oneDNN and panel routes,
-steps of a few rows stream the natural-layout weight through ``small_m_linear`` instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows, and are
-dequantized past that; where there is no bf16 GEMM (AVX2), int8 weights take the W8A8 kernel
-from ``W8A8_ROWS`` rows instead. The native layer stack reads the same routes
+steps of a few rows stream the natural-layout weight through ``small_m_linear`` instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows; past
+that, where there is a bf16 GEMM and memory allows, a bf16 copy made once at load (laid out
+as a bf16 weight's route would be), else the weight dequantized at every call; where there is
+no bf16 GEMM (AVX2), int8 weights take the W8A8 kernel from ``W8A8_ROWS`` rows instead. The native layer stack reads the same routes
 (``streaming_linear``).
 
 With ``batch_invariant`` every row's numbers are independent of the other rows of the step:
@@ -29,6 +30,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from travelator.model.host_memory import available_bytes
 from travelator.model.linear_route import LinearRoute
 from travelator.model.quant import (
     CODEBOOKS,
@@ -37,6 +39,7 @@ from travelator.model.quant import (
     TILE_ROWS,
     W8A8_MAX_IN,
     W8A8_ROWS,
+    Int4Weight,
     Int8Weight,
     QuantizedWeight,
     quantized_linear,
@@ -46,6 +49,10 @@ from travelator.model.quant import (
 INVARIANT_ROWS = 64
 # Tiles of 64 output rows a quantized layer is dequantized in at a time (past the kernel's rows).
 DEQUANT_TILES = 32
+# Past the integer kernel's rows, the GEMM over a kept bf16 copy beats dequantizing at every
+# call (docs/benchmarks.md): quantized weights keep one where all the copies together take at
+# most this share of the memory available once the weights are loaded.
+GEMM_COPY_MEMORY_SHARE = 0.25
 # Output columns of a block of a blocked_linear weight (csrc/blocked_linear.cpp).
 BLOCK_COLUMNS = 64
 # Output columns of a panel of a panel_linear weight (csrc/panel_linear.cpp).
@@ -139,6 +146,11 @@ class NativeLinear:
         # output rows at a time, into this buffer (kept: a fresh one would cost its page faults
         # at every call; bounded: at most DEQUANT_TILES * 64 columns of the weight).
         self._dequantized = torch.empty(0)
+        # Quantized weight (its packed codes) -> the GEMM over its bf16 copy, given the bias and
+        # the rows; made by prepare where there is room (``gemm_copies``).
+        self._gemm_copies: dict[torch.Tensor, Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor]] = {}
+        # Why quantized weights keep no bf16 copy ("": they do, or there are none).
+        self.gemm_copies_refused = ""
         if bf16_gemm is None:
             bf16_gemm = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         # Without a bf16 GEMM torch's bf16 matmul is far slower than float32's: bf16 weights and
@@ -157,6 +169,8 @@ class NativeLinear:
     def prepare(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
         if not torch.backends.mkldnn.is_available():
             return
+        weights = list(weights)
+        self._prepare_gemm_copies([w for w in weights if isinstance(w, (Int8Weight, Int4Weight))])
         for w in weights:
             if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dim() != 2:
                 continue
@@ -166,6 +180,30 @@ class NativeLinear:
                 # Packed once: F.linear would reorder the natural layout at every call.
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
                 self._prepared[w] = PreparedLinear(LinearRoute.ONEDNN_FLOAT32, w, packed)
+
+    def _prepare_gemm_copies(self, quantized: list[QuantizedWeight]) -> None:
+        """A bf16 copy of every quantized weight for the GEMM past the integer kernel's rows,
+        or of none: where there is a bf16 GEMM, the rows are not invariant (then the kernel
+        takes every count) and all the copies fit ``GEMM_COPY_MEMORY_SHARE`` of the memory."""
+        if not quantized or not self._bf16_gemm or self._batch_invariant or not self._quant_kernel_built:
+            return
+        needed = sum(2 * w.out_features * w.in_features for w in quantized)
+        available = available_bytes()
+        if available is None or needed > GEMM_COPY_MEMORY_SHARE * available:
+            free = "unknown" if available is None else f"{available / 2**30:.1f} GiB"
+            self.gemm_copies_refused = (f"their bf16 copies would take {needed / 2**30:.1f} GiB, more than "
+                                        f"{GEMM_COPY_MEMORY_SHARE:.0%} of the memory available ({free})")
+            return
+        for w in quantized:
+            # Dequantized in float32, then rounded once: the values the per-call path multiplies.
+            prepared = self._prepare_bf16(w.dequantize(torch.float32).to(torch.bfloat16))
+            gemm = _blocked_gemm if prepared.route is LinearRoute.BLOCKED else _onednn_gemm
+            self._gemm_copies[w.packed] = partial(gemm, prepared.copy)
+
+    @property
+    def gemm_copies(self) -> bool:
+        """Whether quantized weights past the integer kernel's rows take a kept bf16 copy."""
+        return bool(self._gemm_copies)
 
     def _prepare_bf16(self, w: torch.Tensor) -> PreparedLinear:
         n, k = w.shape
@@ -250,9 +288,9 @@ class NativeLinear:
     def _quantized(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """int8 from w8a8_rows rows (where on): the W8A8 kernel. Else up to quant_kernel_rows
         rows, the engine's integer kernel, which streams the quantized bytes; its rows never
-        depend on each other, so batch-invariant mode takes it for any count. More rows: the
-        weight dequantized, then the GEMM of x's dtype (oneDNN; float32 where there is no bf16
-        GEMM)."""
+        depend on each other, so batch-invariant mode takes it for any count. More rows: the GEMM
+        over the weight's kept bf16 copy where prepare made one (bf16 x), else the weight
+        dequantized, then the GEMM of x's dtype (oneDNN; float32 where there is no bf16 GEMM)."""
         native = x.dtype in (torch.bfloat16, torch.float32)
         n_rows = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
         if native and self.w8a8_rows and n_rows >= self.w8a8_rows and _w8a8_fits(weight):
@@ -260,6 +298,9 @@ class NativeLinear:
         if native and self._quant_kernel_built and (self._batch_invariant or n_rows <= self.quant_kernel_rows):
             out = _over_rows(partial(self._integer_kernel, weight), x)
             return out if bias is None else out + bias
+        copy = self._gemm_copies.get(weight.packed) if x.dtype == torch.bfloat16 else None
+        if copy is not None:
+            return _over_rows(partial(copy, bias), x)
         if native and self._quant_dequantize_built:
             return self._gemm(partial(self._dequantized_linear, weight=weight, bias=bias), x)
         # No native build, or float16: torch dequantizes the whole weight every call.

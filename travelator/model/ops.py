@@ -152,6 +152,16 @@ class NativeOps(TorchOps):
     def prepare(self, linear_weights):
         self._linear.prepare(linear_weights)
 
+    @property
+    def gemm_copies(self) -> bool:
+        """Whether quantized weights past the integer kernel's rows take a kept bf16 copy."""
+        return self._linear.gemm_copies
+
+    @property
+    def gemm_copies_refused(self) -> str:
+        """Why quantized weights keep no bf16 copy ("": they do, or none could)."""
+        return self._linear.gemm_copies_refused
+
     def linear_route(self, weight: torch.Tensor | QuantizedWeight) -> LinearRoute | None:
         """The route ``prepare`` chose for the weight (None: it runs as loaded)."""
         return self._linear.route(weight)

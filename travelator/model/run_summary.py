@@ -44,12 +44,20 @@ def describe_run(ops, weights: list, dtype: torch.dtype, kv_dtype: torch.dtype,
     if bf16 and ops.streaming_rows(False):
         linear += "; " + STREAMED_BF16_ROWS.format(rows=ops.streaming_rows(False))
     if not all(isinstance(w, torch.Tensor) for w in weights) and ops.streaming_rows(True):
-        linear += "; " + STREAMED_QUANTIZED_ROWS.format(rows=ops.streaming_rows(True)) + ", more are dequantized"
+        linear += "; " + STREAMED_QUANTIZED_ROWS.format(rows=ops.streaming_rows(True)) + _past_the_kernel(ops)
         if getattr(ops, "w8a8_rows", 0):
             linear += f" (int8: W8A8 from {ops.w8a8_rows} rows)"
     kind = type(ops).__name__.removesuffix("Ops").lower()
     return (f"{_name(dtype)} on {device}, {kind} kernels: linear layers {linear}; "
             f"attention {ops.attention_backend}; KV cache {_name(kv_dtype)}")
+
+
+def _past_the_kernel(ops) -> str:
+    """What quantized layers do with more rows than the integer kernels take."""
+    if getattr(ops, "gemm_copies", False):
+        return ", more a bf16 copy kept for the GEMM"
+    refused = getattr(ops, "gemm_copies_refused", "")
+    return ", more are dequantized" + (f" at every call ({refused})" if refused else "")
 
 
 def _name(dtype: torch.dtype) -> str:
