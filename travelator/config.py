@@ -25,6 +25,7 @@ KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 LoadFormat = Literal["auto", "dummy"]
 Kernels = Literal["auto", "native", "triton", "torch"]
 Quantization = Literal["auto", "none", "int8", "int4"]
+GemmCopies = Literal["auto", "off"]
 ExecutorBackend = Literal["mp", "ray"]
 LmHeadQuantization = Literal["auto", "none", "int8", "int4"]
 KVEventsPublisher = Literal["null", "zmq"]
@@ -103,6 +104,11 @@ class ModelConfig:
         "with quantization int8 or int4, the untied LM head's weights: auto: int8 (its error goes "
         "straight into the logits); int4 (a quarter of bf16's bytes: the fastest batch-1 decode); "
         "none: as loaded")] = "auto"
+    quantized_gemm_copies: Annotated[GemmCopies, Setting(
+        "quantized weights on CPUs with a bf16 GEMM: auto: each also keeps a bf16 copy, which steps "
+        "past the integer kernel's rows multiply (faster than dequantizing at every call; 2 bytes a "
+        "parameter more), where all fit a quarter of the memory available; off: none, the least "
+        "memory")] = "auto"
     batch_invariant: Annotated[bool, Setting(
         "a request's tokens and logprobs never depend on what else is in its step (linear "
         "layers in fixed tiles of rows; needs the native CPU kernels)")] = False

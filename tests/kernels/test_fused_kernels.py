@@ -250,7 +250,7 @@ def test_native_linear_takes_blocked_linear_where_built(rows):
     g = torch.Generator().manual_seed(rows)
     w, odd = torch.randn(192, 96, generator=g).bfloat16(), torch.randn(200, 96, generator=g).bfloat16()
     native = NativeOps()
-    native.prepare([w, odd])
+    native.prepare([w, odd], torch.bfloat16)
     assert native.linear_route(w) is LinearRoute.BLOCKED and native.linear_route(odd) is LinearRoute.ONEDNN_BF16
     x = torch.randn(rows, 96, generator=g).bfloat16()
     ref = x.double() @ w.double().T
@@ -301,7 +301,7 @@ def test_native_bf16_linear_against_float64(bf16_gemm, rows, biased):
     bias = torch.randn(200, generator=g).to(torch.bfloat16) if biased else None
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     native = NativeOps(bf16_gemm=bf16_gemm)
-    native.prepare([w])
+    native.prepare([w], torch.bfloat16)
     assert native.linear_route(w) is (LinearRoute.ONEDNN_BF16 if bf16_gemm else LinearRoute.ONEDNN_FLOAT32)
     ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
     for _ in range(2):  # the second call reuses what the first made (the widened bias)
@@ -325,7 +325,7 @@ def test_native_float32_linear_is_packed(rows, biased):
     bias = torch.randn(200, generator=g) if biased else None
     x = torch.randn(rows, 96, generator=g)
     native = NativeOps()
-    native.prepare([w])
+    native.prepare([w], torch.float32)
     assert native.linear_route(w) is LinearRoute.ONEDNN_FLOAT32
     assert native.streaming_linear(w, None) is None
     ref = x.double() @ w.double().T + (0 if bias is None else bias.double())

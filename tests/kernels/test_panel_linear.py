@@ -67,7 +67,7 @@ def test_native_linear_takes_panels_without_a_bf16_gemm(batch_invariant):
     w, odd = torch.randn(192, 100, generator=g).bfloat16(), torch.randn(200, 100, generator=g).bfloat16()
     bias = torch.randn(192, generator=g).bfloat16()
     native = NativeOps(bf16_gemm=False, batch_invariant=batch_invariant)
-    native.prepare([w, odd])
+    native.prepare([w, odd], torch.bfloat16)
     assert native.linear_route(w) is LinearRoute.PANELS and native.linear_route(odd) is LinearRoute.ONEDNN_FLOAT32
     if not batch_invariant:  # which streams nothing: a second kernel would make rows depend on the batch
         assert native.streaming_linear(w, None).route is LinearRoute.PANELS

@@ -28,7 +28,7 @@ def layer(arch: ModelArch, ops=TorchOps, seed: int = 0) -> SparseMoE:
     for p in moe.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
     ops_ = moe.ops
-    ops_.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)])
+    ops_.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)], torch.float32)
     return moe
 
 
@@ -135,7 +135,7 @@ def test_native_experts_call_is_the_python_path_bit_for_bit(method, tokens):
             setattr(expert, name, torch.nn.Parameter(weight, requires_grad=False) if method is None
                     else quantize(weight, method, 32))
     moe.router_weight.data = moe.router_weight.data.to(torch.bfloat16)
-    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)])
+    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)], torch.bfloat16)
     stack = moe.expert_stack()
     assert stack is not None
     rows = min(tokens, *(moe.ops.streaming_rows(q, int8) for q, int8 in stack.row_kinds))
@@ -180,7 +180,7 @@ def test_placed_experts_on_two_ranks_add_up_to_the_layer(ops, tokens):
     for p in full.parameters():
         p.data = p.data.to(torch.bfloat16)
     linear = lambda m: [m.router_weight] + [w for e in m.held_experts() for w in (e.gate_up_weight, e.down_weight)]  # noqa: E731
-    full.ops.prepare(linear(full))
+    full.ops.prepare(linear(full), torch.bfloat16)
     x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     total = torch.zeros(tokens, 128)
     for rank in (0, 1):
@@ -192,7 +192,7 @@ def test_placed_experts_on_two_ranks_add_up_to_the_layer(ops, tokens):
             for name in ("gate_up_weight", "down_weight"):
                 setattr(moe.experts[e], name, torch.nn.Parameter(getattr(full.experts[e], name).data.clone(),
                                                                   requires_grad=False))
-        moe.ops.prepare(linear(moe))
+        moe.ops.prepare(linear(moe), torch.bfloat16)
         total += moe(x).float()
     want = full(x).float()
     torch.testing.assert_close(total, want, atol=0.02 * float(want.abs().max()), rtol=0)
@@ -207,7 +207,7 @@ def test_native_experts_call_over_many_rows_keeps_each_tokens_numbers():
     moe = layer(replace(ARCH, hidden_size=128, expert_intermediate_size=96), NativeOps)
     for p in moe.parameters():
         p.data = p.data.to(torch.bfloat16)
-    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)])
+    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)], torch.bfloat16)
     stack = moe.expert_stack()
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     experts, _ = moe.route(x)

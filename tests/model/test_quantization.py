@@ -482,10 +482,11 @@ def test_the_native_quantized_kernel_is_exact_at_the_edges_of_its_integers(metho
 
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 32)])
 def test_past_the_kernel_a_kept_bf16_copy_multiplies_what_the_weight_stands_for(method, group, monkeypatch):
-    """Where there is a bf16 GEMM, prepare keeps a bf16 copy of each quantized weight, which
-    the rows past the integer kernel multiply (against x @ w^T in float64, with a bias, 3-D x);
-    where the copies would take more than their share of the memory, none is kept, the start-up
-    words say why, and the rows are dequantized at every call as before, to the same result."""
+    """Where there is a bf16 GEMM, prepare keeps a bf16 copy of each quantized weight for a bf16
+    model, which the rows past the integer kernel (then 16) multiply (against x @ w^T in
+    float64, with a bias, 3-D x); where the copies would take more than their share of the
+    memory, or the model is float32, none is kept, the start-up words say why, and the rows are
+    dequantized at every call as before (into the kept buffer), to the same result."""
     from travelator.model import native_linear
     from travelator.model.run_summary import describe_run
 
@@ -493,9 +494,9 @@ def test_past_the_kernel_a_kept_bf16_copy_multiplies_what_the_weight_stands_for(
     if not ops._linear._bf16_gemm:
         pytest.skip("no bf16 GEMM on this CPU: past the kernel the rows take float32 or W8A8")
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(200, 256, generator=g) * 0.02
+    w = torch.randn(256, 256, generator=g) * 0.02  # 256 outputs: the blocked route too, where built
     q = quantize(w, method, group) if group else quantize(w, method)
-    bias = torch.randn(200, generator=g).to(torch.bfloat16)
+    bias = torch.randn(256, generator=g).to(torch.bfloat16)
     x = torch.randn(2, ops.quant_kernel_rows + 8, 256, generator=g).to(torch.bfloat16)
     ref = x.double() @ _reference_weight(q).T + bias.double()
     results = {}
@@ -503,18 +504,39 @@ def test_past_the_kernel_a_kept_bf16_copy_multiplies_what_the_weight_stands_for(
         fresh = _native_ops()
         if not room:
             monkeypatch.setattr(native_linear, "available_bytes", lambda: 2 * 200 * 256)
-        fresh.prepare([q])
+        fresh.prepare([q], torch.bfloat16)
         assert fresh.gemm_copies is room
+        assert fresh.quant_kernel_rows == (16 if room else ops.quant_kernel_rows)
         words = describe_run(fresh, [q], torch.bfloat16, torch.bfloat16, torch.device("cpu"))
         assert ("more a bf16 copy kept for the GEMM" in words) is room
         assert ("dequantized at every call (their bf16 copies would take" in words) is not room
         got = fresh.linear(x, q, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (2, ops.quant_kernel_rows + 8, 200)
+        assert got.dtype == torch.bfloat16 and got.shape == (2, ops.quant_kernel_rows + 8, 256)
+        assert (fresh._linear._dequantized.numel() == 0) is room  # the per-call path's buffer
         # bf16 output and a bf16 GEMM over bf16 weights: a few of bf16's rounding steps.
         assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
         results[room] = got
     # The same bf16 values multiplied: the two paths differ at most by their sums' order.
     assert torch.allclose(results[True].float(), results[False].float(), rtol=1e-2, atol=1e-2)
+    monkeypatch.undo()
+    wide = _native_ops()
+    wide.prepare([q], torch.float32)  # a float32 model: its x never meets a bf16 copy
+    assert not wide.gemm_copies and wide.quant_kernel_rows == ops.quant_kernel_rows
+
+
+def test_quantized_gemm_copies_off_keeps_the_least_memory():
+    """The engine setting reaches prepare: "off" keeps no copy (the start-up line says the rows
+    past the kernel are dequantized), "auto" keeps them where there is a bf16 GEMM."""
+    from travelator import LLM
+
+    ops = _native_ops()
+    if not ops._linear._bf16_gemm:
+        pytest.skip("no bf16 GEMM on this CPU: no copies either way")
+    for setting, kept in (("auto", True), ("off", False)):
+        llm = LLM("dummy:tiny", dtype="bfloat16", quantization="int4", quantization_group_size=32,
+                  quantized_gemm_copies=setting, num_kv_blocks=16)
+        assert llm.engine.runner.ops.gemm_copies is kept
+        assert ("more a bf16 copy kept for the GEMM" in llm.engine.summary) is kept
 
 
 def test_the_native_quantized_paths_keep_nans_bias_shapes_and_their_buffer_apart():

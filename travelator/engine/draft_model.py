@@ -53,7 +53,7 @@ class DraftModel:
         else:
             model.load_weights(source.weights(), source=source.name)
         self.model = model.to(device)
-        ops.prepare(self.model.linear_weights())
+        ops.prepare(self.model.linear_weights(), dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self._computed: dict[str, int] = {}  # request id -> tokens whose KV the draft holds

@@ -301,5 +301,5 @@ def _load_model(config: ModelConfig, arch: ModelArch, weights: WeightIterator | 
     else:
         model.load_weights(weights(), source=config.model)
     model = model.to(device)  # the CPU's model; already there elsewhere
-    ops.prepare(model.linear_weights())
+    ops.prepare(model.linear_weights(), settings.dtype, gemm_copies=config.quantized_gemm_copies == "auto")
     return model

@@ -53,6 +53,8 @@ DEQUANT_TILES = 32
 # call (docs/benchmarks.md): quantized weights keep one where all the copies together take at
 # most this share of the memory available once the weights are loaded.
 GEMM_COPY_MEMORY_SHARE = 0.25
+# Rows of x up to which a quantized layer takes the integer kernel where it keeps a copy.
+QUANT_KERNEL_ROWS_BESIDE_COPY = 16
 # Output columns of a block of a blocked_linear weight (csrc/blocked_linear.cpp).
 BLOCK_COLUMNS = 64
 # Output columns of a panel of a panel_linear weight (csrc/panel_linear.cpp).
@@ -137,7 +139,7 @@ class NativeLinear:
         # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
         self._small_m_built = not batch_invariant and hasattr(self._ops, "small_m_linear")
-        # Rows of x up to which it is faster than the GEMM library (more on AVX2 machines).
+        # Rows of x up to which it is faster than the GEMM library.
         self._small_m_rows = self._ops.small_m_linear_rows() if self._small_m_built else 0
         # The integer kernels' rows do not depend on each other: on when batch-invariant too.
         self._quant_kernel_built = hasattr(self._ops, "quant_linear_int8")  # AVX512-VNNI or AVX2
@@ -166,11 +168,15 @@ class NativeLinear:
         w8a8 = hasattr(self._ops, "quant_linear_w8a8") and not bf16_gemm
         self.w8a8_rows = (1 if batch_invariant else W8A8_ROWS) if w8a8 else 0
 
-    def prepare(self, weights: Iterable[torch.Tensor | QuantizedWeight]) -> None:
+    def prepare(self, weights: Iterable[torch.Tensor | QuantizedWeight], activations: torch.dtype,
+                gemm_copies: bool = True) -> None:
+        """activations: the dtype of the x the weights will be given (bf16 copies serve bf16 x);
+        gemm_copies: whether quantized weights may keep one (``_prepare_gemm_copies``)."""
         if not torch.backends.mkldnn.is_available():
             return
         weights = list(weights)
-        self._prepare_gemm_copies([w for w in weights if isinstance(w, (Int8Weight, Int4Weight))])
+        if activations == torch.bfloat16 and gemm_copies:
+            self._prepare_gemm_copies([w for w in weights if isinstance(w, (Int8Weight, Int4Weight))])
         for w in weights:
             if not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.dim() != 2:
                 continue
@@ -185,7 +191,8 @@ class NativeLinear:
         """A bf16 copy of every quantized weight for the GEMM past the integer kernel's rows,
         or of none: where there is a bf16 GEMM, the rows are not invariant (then the kernel
         takes every count) and all the copies fit ``GEMM_COPY_MEMORY_SHARE`` of the memory."""
-        if not quantized or not self._bf16_gemm or self._batch_invariant or not self._quant_kernel_built:
+        if (not quantized or not self._bf16_gemm or self._batch_invariant or not self._quant_kernel_built
+                or not self._quant_dequantize_built):
             return
         needed = sum(2 * w.out_features * w.in_features for w in quantized)
         available = available_bytes()
@@ -195,10 +202,20 @@ class NativeLinear:
                                         f"{GEMM_COPY_MEMORY_SHARE:.0%} of the memory available ({free})")
             return
         for w in quantized:
-            # Dequantized in float32, then rounded once: the values the per-call path multiplies.
-            prepared = self._prepare_bf16(w.dequantize(torch.float32).to(torch.bfloat16))
+            prepared = self._prepare_bf16(self._dequantized_bf16(w))
             gemm = _blocked_gemm if prepared.route is LinearRoute.BLOCKED else _onednn_gemm
             self._gemm_copies[w.packed] = partial(gemm, prepared.copy)
+        # With a copy at hand the GEMM beats the integer kernel from fewer rows.
+        self.quant_kernel_rows = min(self.quant_kernel_rows, QUANT_KERNEL_ROWS_BESIDE_COPY)
+
+    def _dequantized_bf16(self, w: QuantizedWeight) -> torch.Tensor:
+        """The bf16 weight [N, K], by the kernels that dequantize per call: the same values."""
+        wt = torch.empty(w.packed_in_features, w.packed.shape[0] * TILE_ROWS, dtype=torch.bfloat16)  # W^T
+        if isinstance(w, Int8Weight):
+            self._ops.quant_dequantize_int8(w.packed, w.scales, wt)
+        else:
+            self._ops.quant_dequantize_int4(w.packed, w.scales_zeros, w.group_size, wt, CODEBOOKS.index(w.codebook))
+        return wt[: w.in_features, : w.out_features].t().contiguous()
 
     @property
     def gemm_copies(self) -> bool:

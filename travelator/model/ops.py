@@ -39,8 +39,11 @@ class TorchOps:
     # The sampler's native draw (NativeOps); None: torch generators make the noise.
     exponential_race = None
 
-    def prepare(self, linear_weights: Iterable[torch.Tensor]) -> None:
-        """Called once the weights are final (loaded and on their device)."""
+    def prepare(self, linear_weights: Iterable[torch.Tensor], activations: torch.dtype,
+                gemm_copies: bool = True) -> None:
+        """Called once the weights are final (loaded and on their device); ``activations``: the
+        model's dtype, what its linear layers are given; ``gemm_copies``: whether quantized
+        weights may keep a bf16 copy for the GEMM (NativeLinear)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,8 +152,8 @@ class NativeOps(TorchOps):
     def w8a8_rows(self, rows: int) -> None:
         self._linear.w8a8_rows = rows
 
-    def prepare(self, linear_weights):
-        self._linear.prepare(linear_weights)
+    def prepare(self, linear_weights, activations, gemm_copies=True):
+        self._linear.prepare(linear_weights, activations, gemm_copies)
 
     @property
     def gemm_copies(self) -> bool:

@@ -5,7 +5,8 @@ The weights stay quantized in memory, in the layout of the engine's own kernel
 1/4 of the bytes of a bf16 weight. Where that kernel does not apply (more than
 ``QUANT_KERNEL_ROWS`` rows, ``QUANT_KERNEL_ROWS_FLOAT32_GEMM`` on CPUs without a bf16 GEMM, or
 no native build) a layer is dequantized and multiplied in the activations' dtype (float32
-where there is no bf16 GEMM). On CPUs without a bf16 GEMM, int8 layers take the W8A8 kernel
+where there is no bf16 GEMM), or, where there is a bf16 GEMM and room, multiplied by a bf16
+copy kept from load (model/native_linear.py). On CPUs without a bf16 GEMM, int8 layers take the W8A8 kernel
 (``csrc/quant_w8a8.cpp``, x quantized per row as well) from ``W8A8_ROWS`` rows instead.
 
 - int8: ``w[n, k] ~ q[n, k] * scale[n]``, q in [-127, 127], scale = max |w[n, :]| / 127.
