@@ -86,3 +86,45 @@ def test_retained_memory_does_not_fault_again(on_a_thread):
 
 def test_a_cpu_model_runner_retains_freed_memory():
     assert max(last_rounds_faults(RUNNER)) < BLOCK_PAGES // 20
+
+
+def _proc(tmp_path, cgroup: str, available_kib: int = 8 * 1024 * 1024):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available_kib} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    return proc
+
+
+def _files(folder, **files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_available_bytes_is_the_least_of_the_kernel_and_the_memory_cgroup(tmp_path):
+    """MemAvailable (8 GiB here) unless the process's memory cgroup, as a container's limit,
+    leaves less; v2 and v1, at the process's path or the mount's root; no limit, no cgroup
+    files and garbled files leave MemAvailable."""
+    from travelator.model.host_memory import available_bytes
+
+    gib = 1 << 30
+    cgroups = tmp_path / "cgroup"
+    # v2 at the process's path: 2 GiB limit, 0.5 GiB used.
+    proc = _proc(tmp_path / "a", "0::/box/one\n")
+    _files(cgroups / "box" / "one", memory_max=str(2 * gib), memory_current=str(gib // 2))
+    assert available_bytes(proc, cgroups) == 3 * gib // 2
+    # v2, no limit.
+    _files(cgroups / "box" / "one", memory_max="max")
+    assert available_bytes(proc, cgroups) == 8 * gib
+    # v1, a container that shows only its own cgroup at the mount's root: 1 GiB of room.
+    proc = _proc(tmp_path / "b", "4:memory:/docker/abc\n0::/\n")
+    _files(cgroups / "memory", memory_limit_in_bytes=str(4 * gib), memory_usage_in_bytes=str(3 * gib))
+    assert available_bytes(proc, cgroups) == gib
+    # v1 without a limit (a number near 2^63), and garbage: MemAvailable.
+    _files(cgroups / "memory", memory_limit_in_bytes="9223372036854771712")
+    assert available_bytes(proc, cgroups) == 8 * gib
+    _files(cgroups / "memory", memory_limit_in_bytes="lots")
+    assert available_bytes(proc, cgroups) == 8 * gib
+    # Nothing readable at all.
+    assert available_bytes(tmp_path / "nowhere", cgroups) is None

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 import platform
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,49 @@ def retain_freed_memory() -> bool:
     return taken
 
 
-def available_bytes() -> int | None:
-    """The memory the kernel says new allocations can take without swapping (MemAvailable);
-    None where /proc/meminfo does not say."""
+def available_bytes(proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory new allocations can take: the kernel's MemAvailable, or less where the
+    process's memory cgroup (a container's limit) leaves less room; None where neither says."""
+    room = [r for r in (_mem_available(proc), _cgroup_room(proc, cgroups)) if r is not None]
+    return min(room) if room else None
+
+
+def _mem_available(proc: Path) -> int | None:
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def _cgroup_room(proc: Path, cgroups: Path) -> int | None:
+    """Limit less usage of the process's memory cgroup (v2: ``0::path``; v1: ``N:memory:path``),
+    looked up at its path and, where a container shows only its own, at the mount's root."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            places, files = [cgroups / path.lstrip("/"), cgroups], ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            places, files = [cgroups / "memory" / path.lstrip("/"), cgroups / "memory"], (
+                "memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for place in places:
+            try:
+                limit, usage = ((place / f).read_text().strip() for f in files)
+                # v2 says "max" for no limit; v1 a number near 2^63.
+                if limit == "max" or int(limit) >= 1 << 60:
+                    break
+                return max(int(limit) - int(usage), 0)
+            except (OSError, ValueError):
+                continue
     return None
