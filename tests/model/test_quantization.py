@@ -533,7 +533,7 @@ def test_quantized_gemm_copies_off_keeps_the_least_memory():
     if not ops._linear._bf16_gemm:
         pytest.skip("no bf16 GEMM on this CPU: no copies either way")
     for setting, kept in (("auto", True), ("off", False)):
-        llm = LLM("dummy:tiny", dtype="bfloat16", quantization="int4", quantization_group_size=32,
+        llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", quantization="int4", quantization_group_size=32,
                   quantized_gemm_copies=setting, num_kv_blocks=16)
         assert llm.engine.runner.ops.gemm_copies is kept
         assert ("more a bf16 copy kept for the GEMM" in llm.engine.summary) is kept
