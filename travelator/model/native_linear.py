@@ -210,12 +210,18 @@ class NativeLinear:
 
     def _dequantized_bf16(self, w: QuantizedWeight) -> torch.Tensor:
         """The bf16 weight [N, K], by the kernels that dequantize per call: the same values."""
-        wt = torch.empty(w.packed_in_features, w.packed.shape[0] * TILE_ROWS, dtype=torch.bfloat16)  # W^T
-        if isinstance(w, Int8Weight):
-            self._ops.quant_dequantize_int8(w.packed, w.scales, wt)
-        else:
-            self._ops.quant_dequantize_int4(w.packed, w.scales_zeros, w.group_size, wt, CODEBOOKS.index(w.codebook))
+        tiles = w.packed.shape[0]
+        wt = torch.empty(w.packed_in_features, tiles * TILE_ROWS, dtype=torch.bfloat16)  # W^T
+        self._dequantize_tiles(w, 0, tiles, wt)
         return wt[: w.in_features, : w.out_features].t().contiguous()
+
+    def _dequantize_tiles(self, w: QuantizedWeight, t0: int, t1: int, w_t: torch.Tensor) -> None:
+        """Tiles [t0, t1) of the weight's output rows, dequantized into w_t ([K, their rows]: W^T)."""
+        if isinstance(w, Int8Weight):
+            self._ops.quant_dequantize_int8(w.packed[t0:t1], w.scales[t0 * TILE_ROWS:t1 * TILE_ROWS], w_t)
+        else:
+            self._ops.quant_dequantize_int4(w.packed[t0:t1], w.scales_zeros[t0:t1], w.group_size, w_t,
+                                            CODEBOOKS.index(w.codebook))
 
     @property
     def gemm_copies(self) -> bool:
@@ -334,7 +340,6 @@ class NativeLinear:
 
     def _dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        int8 = isinstance(weight, Int8Weight)
         k = weight.packed_in_features
         tiles = weight.packed.shape[0]
         width = min(tiles, DEQUANT_TILES) * TILE_ROWS
@@ -346,11 +351,7 @@ class NativeLinear:
         for t0 in range(0, tiles, DEQUANT_TILES):
             t1 = min(tiles, t0 + DEQUANT_TILES)
             w_t = self._dequantized[: k * (t1 - t0) * TILE_ROWS].view(k, (t1 - t0) * TILE_ROWS)  # W^T
-            if int8:
-                self._ops.quant_dequantize_int8(weight.packed[t0:t1], weight.scales[t0 * TILE_ROWS:t1 * TILE_ROWS], w_t)
-            else:
-                self._ops.quant_dequantize_int4(weight.packed[t0:t1], weight.scales_zeros[t0:t1], weight.group_size,
-                                                w_t, CODEBOOKS.index(weight.codebook))
+            self._dequantize_tiles(weight, t0, t1, w_t)
             n0, n1 = t0 * TILE_ROWS, min(weight.out_features, t1 * TILE_ROWS)
             out[:, n0:n1] = rows @ w_t[: weight.in_features, : n1 - n0]
         if bias is not None:
