@@ -63,8 +63,10 @@ def test_the_layer_stack_gives_the_python_layers_bits(model, dtype, quantization
     assert none == 0 and used > 0
     assert stacked == python
     if quantization == "none" and hasattr(torch.ops.travelator, "blocked_linear"):
-        # AVX512-BF16 without AMX: tiny's bf16 layers go through blocked_linear.
-        assert set(LayerStack.of(llm.engine.runner.model).linear_ints[0::3]) == {LinearRoute.BLOCKED}
+        # AVX512-BF16: tiny's bf16 layers go through blocked_linear (a mixture's router, of
+        # fewer than 64 outputs, through small_m_linear).
+        routes = set(LayerStack.of(llm.engine.runner.model).linear_ints[0::3])
+        assert routes == {LinearRoute.BLOCKED} if model == "dummy:tiny" else LinearRoute.BLOCKED in routes
 
 
 @pytest.mark.parametrize("quantization", ["int8", "none"])
@@ -121,14 +123,30 @@ def test_the_layer_stack_passes_each_layers_window(tmp_path, windows):
     assert _generate(llm, use_stack=False)[0] != python
 
 
-def test_steps_the_stack_does_not_cover_run_the_python_layers():
-    """A bf16 prompt (more rows than small_m_linear takes) never reaches the stack."""
-    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
-    rows = llm.engine.runner.ops.streaming_rows(False)
-    assert rows >= 1
+def _stack_rows_seen(llm: LLM, prompt_len: int) -> list[int]:
+    """The rows of every step that ran in the native stack, generating from one prompt."""
     runner = llm.engine.runner
     seen = []
     native = type(runner.ops).decoder_layers
     runner.ops.decoder_layers = lambda *a: seen.append(a[0].shape[0]) or native(runner.ops, *a)
-    llm.generate([[1] + list(range(3, 3 + 4 * rows))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    llm.generate([[1] + list(range(3, 2 + prompt_len))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    return seen
+
+
+def test_steps_the_stack_does_not_cover_run_the_python_layers():
+    """An int8 prompt (more rows than the integer kernel takes) never reaches the stack."""
+    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", quantization="int8", max_num_seqs=1,
+              enable_prefix_caching=False)
+    rows = llm.engine.runner.ops.streaming_rows(True, True)
+    assert rows >= 1
+    seen = _stack_rows_seen(llm, 4 * rows)
     assert seen and max(seen) <= rows  # decodes only: the prompt's step ran in Python
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.travelator, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
+def test_a_prompt_runs_in_the_stack_where_blocked_linear_takes_every_layer():
+    """blocked_linear takes every row count: a bf16 prompt's step runs in the stack too."""
+    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
+    assert llm.engine.runner.ops.streaming_rows(False, blocked=True) >= 100
+    assert _stack_rows_seen(llm, 100) == [100, 1, 1]

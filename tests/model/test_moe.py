@@ -138,7 +138,7 @@ def test_native_experts_call_is_the_python_path_bit_for_bit(method, tokens):
     moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)], torch.bfloat16)
     stack = moe.expert_stack()
     assert stack is not None
-    rows = min(tokens, *(moe.ops.streaming_rows(q, int8) for q, int8 in stack.row_kinds))
+    rows = min(tokens, *(moe.ops.streaming_rows(*kind) for kind in stack.row_kinds))
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     experts, _ = moe.route(x)
     native = moe.ops.moe_experts(x, experts, stack)

@@ -5,8 +5,10 @@ in Python between the kernels: module calls, views and ``torch.ops`` argument pa
 order from C++ (the same bits as the Python layers, which tests check), for steps where the
 Python path would send every linear layer to a streaming kernel: bf16 weights through
 ``small_m_linear`` (no bias) or ``blocked_linear``, int8/int4 through the integer kernel, at most
-``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py). Anything else (more rows, tensor or pipeline parallelism, the torch
-kernels, attention's torch backend, a KV cache of another dtype) runs the Python layers.
+``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py; ``blocked_linear`` takes
+every row count, so a model whose bf16 layers all take it runs every step here, prompts too).
+Anything else (more rows, tensor or pipeline parallelism, the torch kernels, attention's torch
+backend, a KV cache of another dtype) runs the Python layers.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ class LayerStack:
     experts: list[int]  # per layer its mixture's experts, 0 for a dense MLP
     top_k: int  # a mixture's experts per token
     renormalize: bool  # whether a mixture renormalises its top-k
-    # Which kinds of weights it holds, (quantized, int8), as ``streaming_rows`` takes them:
+    # Which kinds of weights it holds, (quantized, int8, blocked), as ``streaming_rows`` takes them:
     # their row limits differ.
-    row_kinds: frozenset[tuple[bool, bool]]
+    row_kinds: frozenset[tuple[bool, bool, bool]]
     dtype: torch.dtype
     num_heads: int
     num_kv_heads: int
@@ -84,7 +86,7 @@ class LayerStack:
         """Whether the Python layers would take the streaming kernels and native attention."""
         if meta.backend != "native" or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
             return False
-        return all(rows <= ops.streaming_rows(q, int8) for q, int8 in self.row_kinds)
+        return all(rows <= ops.streaming_rows(q, int8, blocked) for q, int8, blocked in self.row_kinds)
 
     @staticmethod
     def k_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:

@@ -61,7 +61,7 @@ class ExpertStack:
 
     linear_tensors: list[torch.Tensor | None]
     linear_ints: list[int]
-    row_kinds: frozenset[tuple[bool, bool]]  # (quantized, int8) of its weights, as streaming_rows takes them
+    row_kinds: frozenset[tuple[bool, bool, bool]]  # (quantized, int8, blocked) of its weights, as streaming_rows takes them
 
     @staticmethod
     def of(ops: TorchOps, experts: list[Expert]) -> ExpertStack | None:
@@ -81,7 +81,7 @@ class ExpertStack:
         re-reading an expert's weights from cache; int8/int4 ones up to their integer kernels'
         rows (ops.streaming_rows)."""
         return all(rows <= (ops.streaming_rows(q, int8) if q else EXPERT_STREAMING_ROWS * bool(ops.streaming_rows(q)))
-                   for q, int8 in self.row_kinds)
+                   for q, int8, _ in self.row_kinds)
 
 
 class SparseMoE(nn.Module):

@@ -103,22 +103,27 @@ class StreamingLinear:
         """Whether its rows are bounded by the quantized kernel's (``streaming_rows``)."""
         return self.route.quantized
 
+    @property
+    def row_kind(self) -> tuple[bool, bool, bool]:
+        """(quantized, int8, blocked): the arguments of ``streaming_rows`` that bound its rows."""
+        return self.quantized, self.route is LinearRoute.INT8, self.route is LinearRoute.BLOCKED
+
 
 @dataclass(slots=True)
 class StreamingLinears:
     """Linear layers in the encoding the native calls read (csrc/streaming_linear.h): layer i
     is entries 3i..3i+2 of ``tensors`` (a, b, bias) and of ``ints`` (route, group, out
-    features); ``row_kinds``: the kinds of weights held, (quantized, int8), as
+    features); ``row_kinds``: the kinds of weights held, (quantized, int8, blocked), as
     ``streaming_rows`` takes them (their row limits differ)."""
 
     tensors: list[torch.Tensor | None] = field(default_factory=list)
     ints: list[int] = field(default_factory=list)
-    row_kinds: set[tuple[bool, bool]] = field(default_factory=set)
+    row_kinds: set[tuple[bool, bool, bool]] = field(default_factory=set)
 
     def append(self, spec: StreamingLinear) -> None:
         self.tensors += [spec.a, spec.b, spec.bias]
         self.ints += [int(spec.route), spec.group, spec.out_features]
-        self.row_kinds.add((spec.quantized, spec.route is LinearRoute.INT8))
+        self.row_kinds.add(spec.row_kind)
 
 
 class NativeLinear:
@@ -134,7 +139,11 @@ class NativeLinear:
         # Bias -> its float32 copy for the widened route, made at its first call (prepare sees
         # the weights only), so a biased layer does not convert its bias at every call.
         self._widened_biases: dict[torch.Tensor, torch.Tensor] = {}
-        self._blocked_built = hasattr(self._ops, "blocked_linear")  # AVX512-BF16 without AMX
+        self._blocked_built = hasattr(self._ops, "blocked_linear")  # AVX512-BF16
+        # With AMX blocked_linear runs on the tiles where k is a multiple of this (0: no AMX
+        # here, or the tiles were refused); its other kernel is slower than oneDNN's AMX GEMM,
+        # so there the other weights keep oneDNN's route.
+        self.blocked_on_tiles = self._ops.blocked_linear_amx_k_multiple() if self._blocked_built else 0
         self._panels_built = hasattr(self._ops, "panel_linear")  # AVX2 without AVX-512
         # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
         # the row count would make a row's numbers depend on the batch: off when invariant.
@@ -230,7 +239,7 @@ class NativeLinear:
 
     def _prepare_bf16(self, w: torch.Tensor) -> PreparedLinear:
         n, k = w.shape
-        if self._bf16_gemm and self._blocked_built and n % BLOCK_COLUMNS == 0 and k % 2 == 0 and k > 0:
+        if self._bf16_gemm and self._blocked_built and n % BLOCK_COLUMNS == 0 and k % (self.blocked_on_tiles or 2) == 0 and k > 0:
             return PreparedLinear(LinearRoute.BLOCKED, w, blocked_linear_weight(w))
         if self._bf16_gemm:
             return PreparedLinear(LinearRoute.ONEDNN_BF16, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
@@ -287,9 +296,12 @@ class NativeLinear:
             return None
         return StreamingLinear(prepared.route, weight, None, None, 0, weight.shape[0])
 
-    def streaming_rows(self, quantized: bool, int8: bool = False) -> int:
+    def streaming_rows(self, quantized: bool, int8: bool = False, blocked: bool = False) -> int:
         """The most rows of x for which ``__call__`` takes the streaming kernel that
-        ``streaming_linear`` names (0: none); int8: for an int8 weight (W8A8 above)."""
+        ``streaming_linear`` names (0: none); int8: for an int8 weight (W8A8 above); blocked:
+        for a weight on the BLOCKED route, whose kernel takes every row count."""
+        if blocked:
+            return sys.maxsize if self._blocked_built else 0
         if not quantized:
             return self._small_m_rows
         if not self._quant_kernel_built:

@@ -56,9 +56,10 @@ class TorchOps:
         """How the native layer stack calls this layer (None: it cannot; torch never does)."""
         return None
 
-    def streaming_rows(self, quantized: bool, int8: bool = False) -> int:
+    def streaming_rows(self, quantized: bool, int8: bool = False, blocked: bool = False) -> int:
         """The most rows of x for which ``linear`` takes the streaming kernel that
-        ``streaming_linear`` names (0: none); int8: for an int8 weight."""
+        ``streaming_linear`` names (0: none); int8: for an int8 weight; blocked: for a weight
+        on the BLOCKED route."""
         return 0
 
     def moe_experts(self, x: torch.Tensor, experts: torch.Tensor, stack) -> torch.Tensor | None:
@@ -169,14 +170,19 @@ class NativeOps(TorchOps):
         """The route ``prepare`` chose for the weight (None: it runs as loaded)."""
         return self._linear.route(weight)
 
+    @property
+    def blocked_on_tiles(self) -> bool:
+        """Whether BLOCKED weights run on AMX's tiles (else on vdpbf16ps)."""
+        return bool(self._linear.blocked_on_tiles)
+
     def linear(self, x, weight, bias=None):
         return self._linear(x, weight, bias)
 
     def streaming_linear(self, weight, bias):
         return self._linear.streaming_linear(weight, bias)
 
-    def streaming_rows(self, quantized, int8=False):
-        return self._linear.streaming_rows(quantized, int8)
+    def streaming_rows(self, quantized, int8=False, blocked=False):
+        return self._linear.streaming_rows(quantized, int8, blocked)
 
     def moe_experts(self, x, experts, stack):
         if not hasattr(self._ops, "moe_experts"):

@@ -22,15 +22,21 @@ _ROUTE_WORDS = {
 }
 
 
+def _route(ops):
+    """weight -> its route (None: F.linear, or ops without routes)."""
+    return getattr(ops, "linear_route", lambda _weight: None)  # NativeOps only
+
+
 def route_words(ops, weight) -> str:
     """A linear layer's route in words."""
-    route_of = getattr(ops, "linear_route", None)  # NativeOps only
-    route = route_of(weight) if route_of is not None else None
+    route = _route(ops)(weight)
     if route is None:
         return "F.linear" if isinstance(weight, torch.Tensor) else "dequantized by torch"
     if route is LinearRoute.ONEDNN_FLOAT32:
         # A bf16 weight here has no bf16 GEMM on this CPU: stored in bf16, multiplied in float32.
         return "bf16 weights, float32 GEMM" if weight.dtype == torch.bfloat16 else "packed float32 GEMM"
+    if route is LinearRoute.BLOCKED and getattr(ops, "blocked_on_tiles", False):
+        return "blocked bf16 kernel on AMX tiles"
     return _ROUTE_WORDS[route]
 
 
@@ -40,7 +46,9 @@ def describe_run(ops, weights: list, dtype: torch.dtype, kv_dtype: torch.dtype,
     (up to 8 rows streamed); attention native; KV cache bfloat16"."""
     routes = Counter(route_words(ops, w) for w in weights)
     linear = ", ".join(f"{n} {words}" for words, n in routes.most_common())
-    bf16 = any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
+    # The bf16 weights whose step changes kernels past a few rows (BLOCKED ones take every count).
+    bf16 = any(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and _route(ops)(w) is not LinearRoute.BLOCKED
+               for w in weights)
     if bf16 and ops.streaming_rows(False):
         linear += "; " + STREAMED_BF16_ROWS.format(rows=ops.streaming_rows(False))
     if not all(isinstance(w, torch.Tensor) for w in weights) and ops.streaming_rows(True):

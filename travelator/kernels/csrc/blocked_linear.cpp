@@ -1,17 +1,24 @@
-// y = x W^T (+ bias) in bf16 with float32 sums, on CPUs with AVX512-BF16 and no AMX, with W laid out once at load as [N / 64][K / 2][64][2]: for
+// y = x W^T (+ bias) in bf16 with float32 sums, on CPUs with AVX512-BF16, with W laid out once at load as [N / 64][K / 2][64][2]: for
 // each 64 output columns, every pair of k in order, the 64 columns' two weights side by
 // side. One 512-bit load is then 16 columns' pair, the operand vdpbf16ps wants, and a
 // block of 64 columns is one front-to-back stream of memory.
 //
-// The micro-kernel keeps 6 rows x 64 columns of sums in 24 registers; per pair of k it
-// loads 4 weight vectors and broadcasts each row's pair of x. Blocks of 64 columns are
-// split over threads; k is taken a slice of a block at a time (16 KB, kept in L1, for a
-// tile of up to three groups of rows; 64 KB, kept in L2, past that), every group of rows
-// passing over it, and while a slice is computed the next one is asked for into L2: a
-// decode step's few rows then compute while the weights stream in, where without it the
-// two took turns. It beats oneDNN's packed bf16 GEMM at a decode step's rows and keeps up
-// with it on long prefills (docs/benchmarks.md). oneDNN's AMX GEMM is faster on CPUs that
-// have AMX: there this kernel is not built.
+// Two micro-kernels, chosen by the CPU and the weight's shape, never by the rows of x:
+// - Without AMX (vdpbf16ps): 6 rows x 64 columns of sums in 24 registers; per pair of k it
+//   loads 4 weight vectors and broadcasts each row's pair of x. Blocks of 64 columns are
+//   split over threads; k is taken a slice of a block at a time (16 KB, kept in L1, for a
+//   tile of up to three groups of rows; 64 KB, kept in L2, past that), every group of rows
+//   passing over it, and while a slice is computed the next one is asked for into L2: a
+//   decode step's few rows then compute while the weights stream in, where without it the
+//   two took turns. It beats oneDNN's packed bf16 GEMM at a decode step's rows and keeps up
+//   with it on long prefills (docs/benchmarks.md).
+// - With AMX (where K is a multiple of 32): tiles of 16 rows of x by 16 pairs of k, each
+//   multiplied by a tile of 16 pairs of k by 16 columns read in place from the layout (a
+//   pair of a block is 256 bytes: the tile's rows are that far apart), into 16 x 16 float
+//   sums. Two tiles of rows and two of columns at a time (the eight tile registers: four
+//   sums, two of x, two of weights), over all of k. It is well ahead of oneDNN's AMX GEMM at
+//   a decode step's rows on small layers, whose calls oneDNN's own overhead dominates, and
+//   level with it on large ones, where both stream the weights (docs/benchmarks.md).
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -27,8 +34,12 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -77,28 +88,13 @@ inline void micro_any(int64_t rows, const uint32_t* x, int64_t x_stride, const _
   micro<R>(x, x_stride, w, n_pairs, acc, ahead, lines);
 }
 
-at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "blocked_linear: x must be contiguous bf16 [M, K]");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(2) == kCols &&
-                  w.size(3) == 2,
-              "blocked_linear: w must be a blocked bf16 weight [N / 64, K / 2, 64, 2]");
-  const int64_t M = x.size(0), K = x.size(1), K2 = w.size(1), N = w.size(0) * kCols;
-  TORCH_CHECK(K == 2 * K2, "blocked_linear: x has ", K, " columns, the weight ", 2 * K2);
-  TORCH_CHECK(K2 > 0, "blocked_linear: no columns in x");
-  const float* b = nullptr;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "blocked_linear: bias must be [N]");
-    bias_f = bias->to(at::kFloat).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const __m512bh*>(w.data_ptr());
+// The vdpbf16ps micro-kernel over every block: y [M, N] = x [M, 2 K2] W^T (+ b).
+void vdp_multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16* w, int64_t N, const float* b,
+                  c10::BFloat16* yp) {
+  const int64_t K = 2 * K2;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x);
+  const auto* wp = reinterpret_cast<const __m512bh*>(w);
   const __m512bh* w_end = wp + N / kCols * K2 * 4;
-  auto* yp = y.data_ptr<c10::BFloat16>();
   // Rows of x are taken a tile at a time, each tile against every block of this thread's
   // columns, so that the tile is read from L2 (many rows: a prefill chunk) and a block's
   // weights once per tile (few rows: a decode step has one tile).
@@ -140,6 +136,158 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
       }
     }
   });
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+namespace amx {
+
+constexpr int64_t kPairs = 16;  // pairs of k a tile holds
+constexpr int64_t kTileRows = 16;  // rows of x (or of sums) a tile holds
+constexpr int64_t kPairBytes = kCols * 2 * 2;  // one pair of k of a block: 64 columns' two bf16
+
+// The layout _tile_loadconfig reads (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux lends a process the tiles' state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); asked once, the answer kept.
+inline bool permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// Tiles 0-3: the sums of rows a (0, 1) and b (2, 3) by columns c (0, 2) and d (1, 3);
+// 4, 5: rows a and b of x; 6, 7: the weights of columns c and d. rows_b 0: no rows b.
+inline void configure(int64_t rows_a, int64_t rows_b) {
+  TileConfig cfg;
+  const int64_t rows[8] = {rows_a, rows_a, rows_b, rows_b, rows_a, rows_b, kPairs, kPairs};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(std::max<int64_t>(rows[t], 1));
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The sums over every k of x's rows a (from xa) and, kTwo, b (16 rows further) by the
+// block's columns 16 j .. 16 j + 31, stored to c: tile t's 16 x 16 floats at c + 256 t.
+template <bool kTwo>
+inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat16* block, int64_t K2, int64_t j,
+                 float* c) {
+  const c10::BFloat16* xb = xa + kTileRows * (x_row_bytes / 2);
+  const c10::BFloat16* wc = block + 32 * j;  // column tile j: 16 columns' pairs into each pair's 64
+  const c10::BFloat16* wd = wc + 32;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t p = 0; p < K2; p += kPairs) {
+    _tile_loadd(4, xa + 2 * p, x_row_bytes);
+    _tile_loadd(6, wc + p * 2 * kCols, kPairBytes);
+    _tile_loadd(7, wd + p * 2 * kCols, kPairBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, xb + 2 * p, x_row_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (kTwo) {
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+  }
+}
+
+// y [M, N] = x [M, 2 K2] W^T (+ b), K2 a multiple of kPairs. Blocks of 64 columns are split
+// over threads; rows of x are taken a tile at a time (kept in L2), each tile against every
+// block of the thread's, 32 rows and 32 columns a pass.
+void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16* w, int64_t N, const float* b,
+              c10::BFloat16* y) {
+  const int64_t K = 2 * K2, pass_rows = 2 * kTileRows;
+  const int64_t row_tile = std::max<int64_t>(pass_rows, kRowTileBytes / (2 * K) / pass_rows * pass_rows);
+  at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[4 * 256];
+    int64_t configured_a = -1, configured_b = -1;
+    for (int64_t t0 = 0; t0 < M; t0 += row_tile) {
+      const int64_t t1 = std::min(M, t0 + row_tile);
+      for (int64_t nb = begin; nb < end; ++nb) {
+        const c10::BFloat16* block = w + nb * K2 * 2 * kCols;
+        for (int64_t m0 = t0; m0 < t1; m0 += pass_rows) {
+          const int64_t rows_a = std::min(kTileRows, t1 - m0);
+          const int64_t rows_b = std::clamp<int64_t>(t1 - m0 - kTileRows, 0, kTileRows);
+          if (rows_a != configured_a || rows_b != configured_b) {
+            configure(rows_a, rows_b);
+            configured_a = rows_a, configured_b = rows_b;
+          }
+          for (int64_t j = 0; j < 4; j += 2) {
+            if (rows_b > 0) pass<true>(x + m0 * K, 2 * K, block, K2, j, c);
+            else pass<false>(x + m0 * K, 2 * K, block, K2, j, c);
+            for (int64_t t = 0; t < (rows_b > 0 ? 4 : 2); ++t) {
+              const int64_t col = nb * kCols + 16 * (j + t % 2), row0 = m0 + kTileRows * (t / 2);
+              for (int64_t r = 0; r < (t < 2 ? rows_a : rows_b); ++r) {
+                __m512 v = _mm512_loadu_ps(c + 256 * t + 16 * r);
+                if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + col));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (row0 + r) * N + col), (__m256i)_mm512_cvtneps_pbh(v));
+              }
+            }
+          }
+        }
+      }
+    }
+    if (configured_a >= 0) _tile_release();
+  });
+}
+
+}  // namespace amx
+#endif
+
+// The multiple of k's length from which the AMX micro-kernel takes a weight (0: it is not
+// built here, or the kernel may not use the tiles); model/native_linear.py lays out for
+// blocked_linear only the weights it takes, on CPUs with AMX.
+int64_t blocked_linear_amx_k_multiple() {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  return amx::permitted() ? 2 * amx::kPairs : 0;
+#else
+  return 0;
+#endif
+}
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "blocked_linear: x must be contiguous bf16 [M, K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(2) == kCols &&
+                  w.size(3) == 2,
+              "blocked_linear: w must be a blocked bf16 weight [N / 64, K / 2, 64, 2]");
+  const int64_t M = x.size(0), K = x.size(1), K2 = w.size(1), N = w.size(0) * kCols;
+  TORCH_CHECK(K == 2 * K2, "blocked_linear: x has ", K, " columns, the weight ", 2 * K2);
+  TORCH_CHECK(K2 > 0, "blocked_linear: no columns in x");
+  const float* b = nullptr;
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "blocked_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+    b = bias_f.data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (K2 % amx::kPairs == 0 && amx::permitted()) {
+    amx::multiply(xp, M, K2, wp, N, b, yp);
+    return y;
+  }
+#endif
+  vdp_multiply(xp, M, K2, wp, N, b, yp);
   return y;
 }
 
@@ -149,5 +297,6 @@ TORCH_LIBRARY_FRAGMENT(travelator, m) {
   // x [M, K] bf16, w from blocked_linear_weight (model/native_linear.py), bias [N] or None.
   m.def("blocked_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.impl("blocked_linear", c10::DispatchKey::CPU, &blocked_linear);
+  m.def("blocked_linear_amx_k_multiple() -> int", &blocked_linear_amx_k_multiple);
 }
 #endif
