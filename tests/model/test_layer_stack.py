@@ -65,7 +65,7 @@ def test_the_layer_stack_gives_the_python_layers_bits(model, dtype, quantization
     if quantization == "none" and hasattr(torch.ops.travelator, "blocked_linear"):
         # AVX512-BF16: tiny's bf16 layers go through blocked_linear (a mixture's router, of
         # fewer than 64 outputs, through small_m_linear).
-        routes = set(LayerStack.of(llm.engine.runner.model).linear_ints[0::3])
+        routes = set(LayerStack.of(llm.engine.runner.model).linears.ints[0::3])
         assert routes == {LinearRoute.BLOCKED} if model == "dummy:tiny" else LinearRoute.BLOCKED in routes
 
 
@@ -135,13 +135,36 @@ def _stack_rows_seen(llm: LLM, prompt_len: int) -> list[int]:
 
 
 def test_steps_the_stack_does_not_cover_run_the_python_layers():
-    """An int8 prompt (more rows than the integer kernel takes) never reaches the stack."""
-    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", quantization="int8", max_num_seqs=1,
-              enable_prefix_caching=False)
+    """An int8 prompt (more rows than the integer kernel takes, no bf16 copies kept) never
+    reaches the stack."""
+    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", quantization="int8", quantized_gemm_copies="off",
+              max_num_seqs=1, enable_prefix_caching=False)
     rows = llm.engine.runner.ops.streaming_rows(True, True)
     assert rows >= 1
     seen = _stack_rows_seen(llm, 4 * rows)
     assert seen and max(seen) <= rows  # decodes only: the prompt's step ran in Python
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.travelator, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_steps_past_the_integer_kernels_take_the_kept_copies_in_the_stack(quantization):
+    """Quantized layers keeping bf16 copies for blocked_linear: steps past the integer kernel's
+    rows (prompts of 20-40 tokens) run in the stack on the copies, the Python layers' bits;
+    steps within them (decodes) on the integer kernels."""
+    llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", quantization=quantization, quantization_group_size=32,
+              max_num_seqs=3, enable_prefix_caching=False)
+    ops = llm.engine.runner.ops
+    assert ops.gemm_copies
+    prompts = [[1] + list(range(3, 3 + n)) for n in (20, 31, 40)]
+    runs = []
+    for use_stack in (False, True):
+        llm.engine.runner.model.use_layer_stack = use_stack
+        results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
+                               use_tqdm=False)
+        runs.append([(r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.outputs[0].logprobs]) for r in results])
+    assert runs[0] == runs[1]
+    seen = _stack_rows_seen(llm, 40)
+    assert seen[0] == 40 > ops.streaming_rows(True, quantization == "int8") and seen[1:] == [1, 1]
 
 
 @pytest.mark.skipif(not hasattr(torch.ops.travelator, "blocked_linear"), reason="built on AVX512-BF16 CPUs")

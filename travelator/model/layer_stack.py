@@ -8,7 +8,9 @@ Python path would send every linear layer to a streaming kernel: bf16 weights th
 ``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py; ``blocked_linear`` takes
 every row count, so a model whose bf16 layers all take it runs every step here, prompts too).
 Anything else (more rows, tensor or pipeline parallelism, the torch kernels, attention's torch
-backend, a KV cache of another dtype) runs the Python layers.
+backend, a KV cache of another dtype) runs the Python layers. Quantized layers that keep a bf16
+copy on the BLOCKED route take it past the integer kernel's rows, as the Python layers do: a
+second encoding of the linear layers names the copies, for those steps.
 """
 
 from __future__ import annotations
@@ -35,15 +37,16 @@ class LayerStack:
 
     norms: list[torch.Tensor]  # per layer input and post-attention norm weights, then the final norm
     head_norms: list[torch.Tensor]  # per layer the q and k head norm weights (Qwen3), else empty
-    linear_tensors: list[torch.Tensor | None]  # per linear layer (a, b, bias), see csrc/layer_stack.cpp
-    linear_ints: list[int]  # per linear layer (route, group, out_features)
+    # The linear layers as csrc/layer_stack.cpp reads them, with the kinds of weights held, as
+    # ``streaming_rows`` takes them (their row limits differ).
+    linears: StreamingLinears
+    # The same with every quantized layer's kept bf16 copy in its place, for steps past the
+    # integer kernels' rows; None where one keeps none (or the model has experts).
+    copied: StreamingLinears | None
     windows: list[int]  # per layer its attention's sliding window, 0 for none
     experts: list[int]  # per layer its mixture's experts, 0 for a dense MLP
     top_k: int  # a mixture's experts per token
     renormalize: bool  # whether a mixture renormalises its top-k
-    # Which kinds of weights it holds, (quantized, int8, blocked), as ``streaming_rows`` takes them:
-    # their row limits differ.
-    row_kinds: frozenset[tuple[bool, bool, bool]]
     dtype: torch.dtype
     num_heads: int
     num_kv_heads: int
@@ -63,7 +66,7 @@ class LayerStack:
         if arch.num_experts and not hasattr(torch.ops.travelator, "moe_experts"):
             return None
         norms, head_norms, windows, experts = [], [], [], []
-        linears = StreamingLinears()
+        linears, copied = StreamingLinears(), StreamingLinears()
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_norm.weight, layer.post_attn_norm.weight]
@@ -76,17 +79,27 @@ class LayerStack:
                 if spec is None or (not spec.quantized and model.dtype != torch.bfloat16):
                     return None
                 linears.append(spec)
+                copied.append((ops.streaming_copy(weight, bias) or spec) if spec.quantized else spec)
         norms.append(model.norm.weight)
         first = model.layers[0].self_attn
-        return LayerStack(norms, head_norms, linears.tensors, linears.ints, windows, experts, arch.experts_per_token,
-                          arch.norm_topk_prob, frozenset(linears.row_kinds), model.dtype, first.num_heads, first.num_kv_heads, first.head_dim,
-                          model.layers[0].input_norm.eps, first.attn.scale)
+        has_copies = (not any(experts) and any(quantized for quantized, _, _ in linears.row_kinds)
+                      and not any(quantized for quantized, _, _ in copied.row_kinds))
+        return LayerStack(norms, head_norms, linears, copied if has_copies else None, windows, experts,
+                          arch.experts_per_token, arch.norm_topk_prob, model.dtype, first.num_heads, first.num_kv_heads,
+                          first.head_dim, model.layers[0].input_norm.eps, first.attn.scale)
 
-    def covers(self, ops, rows: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether the Python layers would take the streaming kernels and native attention."""
+    def linears_for(self, ops, rows: int, meta: AttentionMetadata,
+                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> StreamingLinears | None:
+        """The encoding of the linear layers with which the stack runs a step of ``rows`` rows as
+        the Python layers would (their streaming kernels, native attention), or None where it
+        cannot: the integer kernels' up to their rows, the kept copies past them all."""
         if meta.backend != "native" or kv_caches[0][0].dtype not in (self.dtype, torch.int8):
-            return False
-        return all(rows <= ops.streaming_rows(q, int8, blocked) for q, int8, blocked in self.row_kinds)
+            return None
+        if all(rows <= ops.streaming_rows(*kind) for kind in self.linears.row_kinds):
+            return self.linears
+        if self.copied is None or any(rows <= ops.streaming_rows(*kind) for kind in self.linears.row_kinds if kind[0]):
+            return None
+        return self.copied if all(rows <= ops.streaming_rows(*kind) for kind in self.copied.row_kinds) else None
 
     @staticmethod
     def k_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -97,10 +110,11 @@ class LayerStack:
         return [v for _, v in kv_caches]
 
     def __call__(self, ops, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 linears: StreamingLinears) -> torch.Tensor:
         """The final norm of the residual stream after every layer (x: the embedded tokens,
-        updated in place), as LlamaModel.forward returns it."""
-        return ops.decoder_layers(x, positions, rope, meta, kv_caches, self)
+        updated in place), as LlamaModel.forward returns it; ``linears``: ``linears_for``'s."""
+        return ops.decoder_layers(x, positions, rope, meta, kv_caches, self, linears)
 
 
 def _mlp_linears(mlp) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

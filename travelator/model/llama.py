@@ -165,8 +165,9 @@ class LlamaModel(nn.Module):
         else:
             x, delta = stage.receive_hidden(input_ids.shape[0], self.arch.hidden_size, self.dtype)
         stack = self._native_layer_stack()
-        if stack is not None and stack.covers(self.ops, x.shape[0], meta, kv_caches):
-            return stack(self.ops, x, positions, self.rope, kv_caches, meta)
+        linears = stack.linears_for(self.ops, x.shape[0], meta, kv_caches) if stack is not None else None
+        if linears is not None:
+            return stack(self.ops, x, positions, self.rope, kv_caches, meta, linears)
         for i, (k_cache, v_cache) in zip(self.local_layers, kv_caches):  # the caches of this stage's layers
             x, delta = self.layers[i](x, delta, positions, self.rope_of_layer[i], k_cache, v_cache, meta)
         if not self.holds_head:

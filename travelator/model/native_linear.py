@@ -54,7 +54,7 @@ DEQUANT_TILES = 32
 # most this share of the memory available once the weights are loaded.
 GEMM_COPY_MEMORY_SHARE = 0.25
 # Rows of x up to which a quantized layer takes the integer kernel where it keeps a copy.
-QUANT_KERNEL_ROWS_BESIDE_COPY = 16
+QUANT_KERNEL_ROWS_BESIDE_COPY = 8
 # Output columns of a block of a blocked_linear weight (csrc/blocked_linear.cpp).
 BLOCK_COLUMNS = 64
 # Output columns of a panel of a panel_linear weight (csrc/panel_linear.cpp).
@@ -157,9 +157,9 @@ class NativeLinear:
         # output rows at a time, into this buffer (kept: a fresh one would cost its page faults
         # at every call; bounded: at most DEQUANT_TILES * 64 columns of the weight).
         self._dequantized = torch.empty(0)
-        # Quantized weight (its packed codes) -> the GEMM over its bf16 copy, given the bias and
-        # the rows; made by prepare where there is room (``gemm_copies``).
-        self._gemm_copies: dict[torch.Tensor, Callable[[torch.Tensor | None, torch.Tensor], torch.Tensor]] = {}
+        # Quantized weight (its packed codes) -> its bf16 copy for the GEMM, laid out for its
+        # route; made by prepare where there is room (``gemm_copies``).
+        self._gemm_copies: dict[torch.Tensor, PreparedLinear] = {}
         # Why quantized weights keep no bf16 copy ("": they do, or there are none).
         self.gemm_copies_refused = ""
         if bf16_gemm is None:
@@ -211,9 +211,7 @@ class NativeLinear:
                                         f"{GEMM_COPY_MEMORY_SHARE:.0%} of the memory available ({free})")
             return
         for w in quantized:
-            prepared = self._prepare_bf16(self._dequantized_bf16(w))
-            gemm = _blocked_gemm if prepared.route is LinearRoute.BLOCKED else _onednn_gemm
-            self._gemm_copies[w.packed] = partial(gemm, prepared.copy)
+            self._gemm_copies[w.packed] = self._prepare_bf16(self._dequantized_bf16(w))
         # With a copy at hand the GEMM beats the integer kernel from fewer rows.
         self.quant_kernel_rows = min(self.quant_kernel_rows, QUANT_KERNEL_ROWS_BESIDE_COPY)
 
@@ -296,6 +294,15 @@ class NativeLinear:
             return None
         return StreamingLinear(prepared.route, weight, None, None, 0, weight.shape[0])
 
+    def streaming_copy(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> StreamingLinear | None:
+        """How the native layer stack calls a quantized layer past the integer kernel's rows:
+        its kept bf16 copy on the BLOCKED route, as ``__call__`` takes it there (None: it keeps
+        no copy, or the copy is oneDNN's)."""
+        copy = None if isinstance(weight, torch.Tensor) else self._gemm_copies.get(weight.packed)
+        if copy is None or copy.route is not LinearRoute.BLOCKED:
+            return None
+        return StreamingLinear(LinearRoute.BLOCKED, copy.copy, None, bias, 0, weight.out_features)
+
     def streaming_rows(self, quantized: bool, int8: bool = False, blocked: bool = False) -> int:
         """The most rows of x for which ``__call__`` takes the streaming kernel that
         ``streaming_linear`` names (0: none); int8: for an int8 weight (W8A8 above); blocked:
@@ -335,7 +342,8 @@ class NativeLinear:
             return out if bias is None else out + bias
         copy = self._gemm_copies.get(weight.packed) if x.dtype == torch.bfloat16 else None
         if copy is not None:
-            return _over_rows(partial(copy, bias), x)
+            gemm = _blocked_gemm if copy.route is LinearRoute.BLOCKED else _onednn_gemm
+            return _over_rows(partial(gemm, copy.copy, bias), x)
         if native and self._quant_dequantize_built:
             return self._gemm(partial(self._dequantized_linear, weight=weight, bias=bias), x)
         # No native build, or float16: torch dequantizes the whole weight every call.

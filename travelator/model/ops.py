@@ -56,6 +56,12 @@ class TorchOps:
         """How the native layer stack calls this layer (None: it cannot; torch never does)."""
         return None
 
+    def streaming_copy(self, weight: torch.Tensor | QuantizedWeight,
+                       bias: torch.Tensor | None) -> StreamingLinear | None:
+        """How the native layer stack calls a quantized layer past its kernel's rows (None: it
+        cannot)."""
+        return None
+
     def streaming_rows(self, quantized: bool, int8: bool = False, blocked: bool = False) -> int:
         """The most rows of x for which ``linear`` takes the streaming kernel that
         ``streaming_linear`` names (0: none); int8: for an int8 weight; blocked: for a weight
@@ -181,6 +187,9 @@ class NativeOps(TorchOps):
     def streaming_linear(self, weight, bias):
         return self._linear.streaming_linear(weight, bias)
 
+    def streaming_copy(self, weight, bias):
+        return self._linear.streaming_copy(weight, bias)
+
     def streaming_rows(self, quantized, int8=False, blocked=False):
         return self._linear.streaming_rows(quantized, int8, blocked)
 
@@ -190,12 +199,13 @@ class NativeOps(TorchOps):
         return self._ops.moe_experts(x.contiguous(), experts, stack.linear_tensors, stack.linear_ints)
 
     def decoder_layers(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stack) -> torch.Tensor:
-        """Every decoder layer in one native call (``stack``: a model/layer_stack.LayerStack)."""
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stack, linears) -> torch.Tensor:
+        """Every decoder layer in one native call (``stack``: a model/layer_stack.LayerStack;
+        ``linears``: the encoding of its linear layers this step takes)."""
         return self._ops.decoder_layers(
             x, positions, rope.cos, rope.sin, meta.slot_mapping, meta.query_start, meta.seq_lens,
             meta.block_tables, stack.norms, stack.head_norms, stack.k_caches(kv_caches), stack.v_caches(kv_caches),
-            stack.linear_tensors, stack.linear_ints, stack.windows, stack.experts, stack.top_k, stack.renormalize,
+            linears.tensors, linears.ints, stack.windows, stack.experts, stack.top_k, stack.renormalize,
             stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale, meta.tiled_prefill)
 
     # Gemma's unit-offset norms (1 + w, rounded once) run in torch: the kernels round as Llama's.
