@@ -3,8 +3,8 @@
 Each layer's four GEMMs (QKV, output, gate/up, down) of a random-init 50M or 250M Llama (8 or
 16 distinct layers, so their weights stream from memory as in a real step) and then the LM
 head, at several row counts; medians of 9. For comparison, the time of a float32 sum over the
-same bytes and the GEMMs' arithmetic at ``--peak-gflops``. blocked_linear is built only on
-CPUs with AVX512-BF16 and no AMX.
+same bytes and the GEMMs' arithmetic at ``--peak-gflops``. blocked_linear is built on CPUs
+with AVX512-BF16; with AMX it runs on the tiles (for inputs a multiple of 32, as here).
 
     python benchmarks/linear_step.py --preset 50m
 """
@@ -18,7 +18,7 @@ import torch
 from bench_timing import median_seconds
 
 from travelator import kernels
-from travelator.model.ops import blocked_linear_weight
+from travelator.model.native_linear import blocked_linear_weight
 
 PRESETS = {"50m": (512, 1408, 256, 8), "250m": (1024, 2816, 512, 16)}  # hidden, intermediate, KV width, layers
 
@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     kernels.load()
     if not hasattr(torch.ops.travelator, "blocked_linear"):
-        raise SystemExit("blocked_linear is not built on this CPU (it needs AVX512-BF16 and no AMX)")
+        raise SystemExit("blocked_linear is not built on this CPU (it needs AVX512-BF16)")
     hidden, inter, kv_width, layers = PRESETS[args.preset]
     shapes = [(hidden, hidden + 2 * kv_width), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
     torch.manual_seed(0)

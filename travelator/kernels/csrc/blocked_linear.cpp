@@ -189,8 +189,8 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
   for (int64_t p = 0; p < K2; p += kPairs) {
     _tile_loadd(4, xa + 2 * p, x_row_bytes);
     _tile_loadd(6, wc + p * 2 * kCols, kPairBytes);
-    _tile_loadd(7, wd + p * 2 * kCols, kPairBytes);
     _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, wd + p * 2 * kCols, kPairBytes);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (kTwo) {
       _tile_loadd(5, xb + 2 * p, x_row_bytes);
