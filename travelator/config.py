@@ -135,7 +135,8 @@ class CacheConfig:
         "gpu_memory_utilization leaves; on the CPU max_num_seqs full contexts, at most "
         "kv_memory_share of free memory)", flag="--kv-cache-gb", cli_unit=("GiB", 1 << 30))] = None
     kv_memory_share: Annotated[float, Setting(
-        "CPU: share of free memory the KV pool may take when its size is not given")] = 0.3
+        "CPU: share of the memory available (MemAvailable, or a container's memory limit's room "
+        "where less) the KV pool may take when its size is not given")] = 0.3
     gpu_memory_utilization: Annotated[float, Setting(
         "CUDA: share of the device's total memory the engine may use when the KV pool's size is "
         "not given: the pool takes what is left after the weights, other memory in use and the "

@@ -199,3 +199,16 @@ def test_cuda_profile_keeps_the_engine_within_its_share():
     llm.generate(prompts, SamplingParams(max_tokens=8, top_p=0.9), use_tqdm=False)
     free, total = torch.cuda.mem_get_info()
     assert total - free <= utilization * total + 256 * MIB  # allowing the allocator's rounding
+
+
+def test_a_cpu_pool_takes_its_share_of_the_memory_a_container_leaves(monkeypatch):
+    """Unsized, the CPU pool takes kv_memory_share of what new allocations can take
+    (model/host_memory.available_bytes: MemAvailable, or a memory cgroup's room where less)."""
+    from travelator.engine import engine as engine_module
+
+    room = 64 << 20
+    monkeypatch.setattr(engine_module, "available_bytes", lambda: room)
+    llm = LLM("dummy:tiny", device="cpu", kernels="torch", dtype="float32", max_model_len=256, max_num_seqs=256,
+              kv_memory_share=0.25)
+    per_block = llm.engine.runner.kv_bytes_per_block(16)
+    assert llm.engine.kv.num_blocks == (room // 4) // per_block < 256 * 256 // 16

@@ -4,7 +4,6 @@ flat batch, sample, update requests, detokenise, and report what changed."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from collections import deque
@@ -31,6 +30,7 @@ from travelator.engine.scheduler_factory import make_scheduler
 from travelator.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
 from travelator.engine.step_stats import EngineCounters, StepStats
 from travelator.model.device import halved_note, pick_device, resolve_dtype, resolve_kv_dtype
+from travelator.model.host_memory import available_bytes
 from travelator.model.loader import ModelSource, open_model
 from travelator.model.ops import native_kernels_chosen
 from travelator.sampling_params import SamplingParams
@@ -163,7 +163,7 @@ class LLMEngine:
                                         self.max_model_len)
         else:
             wanted = self.config.scheduler.max_num_seqs * blocks_for(self.max_model_len, block_size)
-            affordable = int(_free_memory_bytes(self.device) * cache.kv_memory_share) // per_block
+            affordable = int(_free_memory_bytes() * cache.kv_memory_share) // per_block
             num_blocks = max(min(wanted, affordable), blocks_for(self.max_model_len, block_size))
         if num_blocks < 1:
             raise ValueError("the KV cache size is too small for even one block")
@@ -400,9 +400,8 @@ class LLMEngine:
         return outputs
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    """Free host memory: what the CPU's KV pool takes a share of (CUDA is profiled instead)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4 << 30
+def _free_memory_bytes() -> int:
+    """The host memory new allocations can take, a container's memory limit respected: what
+    the CPU's KV pool takes a share of (CUDA is profiled instead); 4 GiB where nothing says."""
+    available = available_bytes()
+    return 4 << 30 if available is None else available
