@@ -246,6 +246,7 @@ def test_native_linear_takes_blocked_linear_where_built(rows):
     from travelator.model.linear_route import LinearRoute
     from travelator.model.native_linear import blocked_linear_weight
     from travelator.model.ops import NativeOps
+    from travelator.model.run_summary import describe_run
 
     g = torch.Generator().manual_seed(rows)
     w, odd = torch.randn(192, 96, generator=g).bfloat16(), torch.randn(200, 96, generator=g).bfloat16()
@@ -260,6 +261,13 @@ def test_native_linear_takes_blocked_linear_where_built(rows):
     assert torch.equal(native.linear(x.view(1, rows, 96), w), y.view(1, rows, 192))
     assert native.streaming_linear(w, None).route is LinearRoute.BLOCKED
     assert native.streaming_linear(odd, None).route is LinearRoute.ONEDNN_BF16
+    # The start-up line says which kernel multiplies them; the BLOCKED ones take every row
+    # count, so only the other weight's switch to the GEMM is named.
+    words = describe_run(native, [w, odd], torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    tiles = ops.blocked_linear_amx_k_multiple() > 0
+    assert "1 blocked bf16 kernel" in words and ("1 blocked bf16 kernel on AMX tiles" in words) is tiles
+    assert f"steps of up to {native.streaming_rows(False)} rows stream the bf16 weights" in words
+    assert "stream the bf16 weights" not in describe_run(native, [w], torch.bfloat16, torch.bfloat16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
