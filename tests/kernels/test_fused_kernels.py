@@ -237,6 +237,17 @@ def test_blocked_linear_against_float64(n, k, biased):
 
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
+def test_blocked_linear_takes_the_tiles_where_the_cpu_has_amx():
+    """On a CPU with AMX the tiles are built and lent (else every bf16 layer there would fall
+    back to the vdpbf16ps kernel or oneDNN without a word)."""
+    from pathlib import Path
+
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    amx = {"amx_bf16", "amx_tile"} <= set(flags.split())
+    assert (ops.blocked_linear_amx_k_multiple() == 32) is amx
+
+
+@pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
 def test_native_linear_takes_blocked_linear_where_built(rows):
     """On these CPUs NativeOps lays bf16 weights with a multiple of 64 outputs out for

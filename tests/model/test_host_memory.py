@@ -104,8 +104,8 @@ def _files(folder, **files):
 
 def test_available_bytes_is_the_least_of_the_kernel_and_the_memory_cgroup(tmp_path):
     """MemAvailable (8 GiB here) unless the process's memory cgroup, as a container's limit,
-    leaves less; v2 and v1, at the process's path or the mount's root; no limit, no cgroup
-    files and garbled files leave MemAvailable."""
+    leaves less (its inactive page cache counted as room); v2 and v1, at the process's path or
+    the mount's root; no limit, no cgroup files and garbled files leave MemAvailable."""
     from travelator.model.host_memory import available_bytes
 
     gib = 1 << 30
@@ -114,6 +114,9 @@ def test_available_bytes_is_the_least_of_the_kernel_and_the_memory_cgroup(tmp_pa
     proc = _proc(tmp_path / "a", "0::/box/one\n")
     _files(cgroups / "box" / "one", memory_max=str(2 * gib), memory_current=str(gib // 2))
     assert available_bytes(proc, cgroups) == 3 * gib // 2
+    # Of the usage, 0.25 GiB is inactive page cache: reclaimable, so room.
+    _files(cgroups / "box" / "one", memory_stat=f"anon 1000\ninactive_file {gib // 4}\nactive_file 5\n")
+    assert available_bytes(proc, cgroups) == 7 * gib // 4
     # v2, no limit.
     _files(cgroups / "box" / "one", memory_max="max")
     assert available_bytes(proc, cgroups) == 8 * gib
@@ -121,6 +124,8 @@ def test_available_bytes_is_the_least_of_the_kernel_and_the_memory_cgroup(tmp_pa
     proc = _proc(tmp_path / "b", "4:memory:/docker/abc\n0::/\n")
     _files(cgroups / "memory", memory_limit_in_bytes=str(4 * gib), memory_usage_in_bytes=str(3 * gib))
     assert available_bytes(proc, cgroups) == gib
+    _files(cgroups / "memory", memory_stat=f"cache 9\ntotal_inactive_file {gib // 2}\n")
+    assert available_bytes(proc, cgroups) == 3 * gib // 2
     # v1 without a limit (a number near 2^63), and garbage: MemAvailable.
     _files(cgroups / "memory", memory_limit_in_bytes="9223372036854771712")
     assert available_bytes(proc, cgroups) == 8 * gib

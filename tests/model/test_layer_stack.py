@@ -2,8 +2,8 @@
 layers it stands in for: the same kernels in the same order, so a generation gives the same
 tokens and the same logprobs, bit for bit, with the stack on and off. The Python layers are
 the reference (checked against transformers and llama.cpp elsewhere); each run also shows
-that the stack took the steps it covers and left the others (prefill chunks: more rows) to
-Python."""
+that the stack took the steps it covers and left the others (steps of more rows than a
+streaming kernel takes) to Python."""
 
 from __future__ import annotations
 
@@ -169,7 +169,15 @@ def test_steps_past_the_integer_kernels_take_the_kept_copies_in_the_stack(quanti
 
 @pytest.mark.skipif(not hasattr(torch.ops.travelator, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
 def test_a_prompt_runs_in_the_stack_where_blocked_linear_takes_every_layer():
-    """blocked_linear takes every row count: a bf16 prompt's step runs in the stack too."""
+    """blocked_linear takes every row count: a bf16 prompt's step runs in the stack too, to the
+    Python layers' bits."""
     llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
-    assert llm.engine.runner.ops.streaming_rows(False, blocked=True) >= 100
+    prompt = [[1] + list(range(3, 102))]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    runs = []
+    for use_stack in (False, True):
+        llm.engine.runner.model.use_layer_stack = use_stack
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        runs.append((out.token_ids, [(lp.logprob, lp.top_logprobs) for lp in out.outputs[0].logprobs]))
+    assert runs[0] == runs[1]
     assert _stack_rows_seen(llm, 100) == [100, 1, 1]

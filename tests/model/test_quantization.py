@@ -506,7 +506,9 @@ def test_past_the_kernel_a_kept_bf16_copy_multiplies_what_the_weight_stands_for(
             monkeypatch.setattr(native_linear, "available_bytes", lambda: 2 * 200 * 256)
         fresh.prepare([q], torch.bfloat16)
         assert fresh.gemm_copies is room
-        assert fresh.quant_kernel_rows == (native_linear.QUANT_KERNEL_ROWS_BESIDE_COPY if room else ops.quant_kernel_rows)
+        blocked = room and fresh._linear._gemm_copies[q.packed].route is native_linear.LinearRoute.BLOCKED
+        beside = native_linear.QUANT_KERNEL_ROWS_BESIDE_BLOCKED_COPY if blocked else native_linear.QUANT_KERNEL_ROWS_BESIDE_COPY
+        assert fresh.quant_kernel_rows == (beside if room else ops.quant_kernel_rows)
         words = describe_run(fresh, [q], torch.bfloat16, torch.bfloat16, torch.device("cpu"))
         assert ("more a bf16 copy kept for the GEMM" in words) is room
         assert ("dequantized at every call (their bf16 copies would take" in words) is not room

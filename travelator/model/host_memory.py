@@ -89,9 +89,11 @@ def _cgroup_room(proc: Path, cgroups: Path) -> int | None:
         _, controllers, path = parts
         if controllers == "":
             places, files = [cgroups / path.lstrip("/"), cgroups], ("memory.max", "memory.current")
+            cache_key = "inactive_file"
         elif "memory" in controllers.split(","):
             places, files = [cgroups / "memory" / path.lstrip("/"), cgroups / "memory"], (
                 "memory.limit_in_bytes", "memory.usage_in_bytes")
+            cache_key = "total_inactive_file"
         else:
             continue
         for place in places:
@@ -100,7 +102,21 @@ def _cgroup_room(proc: Path, cgroups: Path) -> int | None:
                 # v2 says "max" for no limit; v1 a number near 2^63.
                 if limit == "max" or int(limit) >= 1 << 60:
                     break
-                return max(int(limit) - int(usage), 0)
+                return max(int(limit) - int(usage) + _inactive_file(place, cache_key), 0)
             except (OSError, ValueError):
                 continue
     return None
+
+
+def _inactive_file(place: Path, key: str) -> int:
+    """The cgroup's inactive file pages (``key`` of its memory.stat; 0 where unreadable): page
+    cache (a model file just read) counted in its usage that the kernel reclaims before it
+    fails an allocation, so room all the same, as a container's working set leaves it out."""
+    try:
+        for line in (place / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        return 0
+    return 0

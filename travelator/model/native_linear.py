@@ -2,8 +2,9 @@
 
 ``prepare`` gives every bf16 CPU weight its route (``LinearRoute``) and the copy that route
 multiplies: laid out in blocks of 64 columns for travelator's own ``blocked_linear`` on CPUs
-with AVX512-BF16 and no AMX (faster than oneDNN there at a decode step's rows), pre-packed for
-oneDNN elsewhere (so no linear layer reorders its weight at every call), and on AVX2 CPUs,
+with AVX512-BF16 (on AMX's tiles where there are, for inputs a multiple of 32; faster than
+oneDNN at a decode step's rows), pre-packed for oneDNN elsewhere (so no linear layer reorders
+its weight at every call), and on AVX2 CPUs,
 where oneDNN has no bf16 GEMM, laid out in panels of 16 columns for travelator's own
 ``panel_linear`` (float32 sums over the bf16 weight; widened to float32 and packed for oneDNN
 where that kernel is not built or the columns do not divide). A float32 weight is packed for
@@ -53,8 +54,10 @@ DEQUANT_TILES = 32
 # call (docs/benchmarks.md): quantized weights keep one where all the copies together take at
 # most this share of the memory available once the weights are loaded.
 GEMM_COPY_MEMORY_SHARE = 0.25
-# Rows of x up to which a quantized layer takes the integer kernel where it keeps a copy.
-QUANT_KERNEL_ROWS_BESIDE_COPY = 8
+# Rows of x up to which a quantized layer takes the integer kernel where it keeps a copy: where
+# every copy is blocked_linear's (the layer stack runs them), else (oneDNN's, Python layers).
+QUANT_KERNEL_ROWS_BESIDE_BLOCKED_COPY = 8
+QUANT_KERNEL_ROWS_BESIDE_COPY = 16
 # Output columns of a block of a blocked_linear weight (csrc/blocked_linear.cpp).
 BLOCK_COLUMNS = 64
 # Output columns of a panel of a panel_linear weight (csrc/panel_linear.cpp).
@@ -141,8 +144,9 @@ class NativeLinear:
         self._widened_biases: dict[torch.Tensor, torch.Tensor] = {}
         self._blocked_built = hasattr(self._ops, "blocked_linear")  # AVX512-BF16
         # With AMX blocked_linear runs on the tiles where k is a multiple of this (0: no AMX
-        # here, or the tiles were refused); its other kernel is slower than oneDNN's AMX GEMM,
-        # so there the other weights keep oneDNN's route.
+        # here, or Linux refused the tiles, when oneDNN cannot use them either and the BLOCKED
+        # route takes its vdpbf16ps kernel as on Zen 4); with the tiles, weights of other k
+        # keep oneDNN's route, faster than that kernel on AMX.
         self.blocked_on_tiles = self._ops.blocked_linear_amx_k_multiple() if self._blocked_built else 0
         self._panels_built = hasattr(self._ops, "panel_linear")  # AVX2 without AVX-512
         # Built where the compiler targets AVX512-BF16 or AVX2. A second code path chosen by
@@ -210,10 +214,13 @@ class NativeLinear:
             self.gemm_copies_refused = (f"their bf16 copies would take {needed / 2**30:.1f} GiB, more than "
                                         f"{GEMM_COPY_MEMORY_SHARE:.0%} of the memory available ({free})")
             return
-        for w in quantized:
-            self._gemm_copies[w.packed] = self._prepare_bf16(self._dequantized_bf16(w))
-        # With a copy at hand the GEMM beats the integer kernel from fewer rows.
-        self.quant_kernel_rows = min(self.quant_kernel_rows, QUANT_KERNEL_ROWS_BESIDE_COPY)
+        copies = [self._prepare_bf16(self._dequantized_bf16(w)) for w in quantized]
+        self._gemm_copies |= {w.packed: copy for w, copy in zip(quantized, copies)}
+        # With a copy at hand the GEMM beats the integer kernel from fewer rows; fewer still where
+        # the copies run in the layer stack.
+        blocked = all(copy.route is LinearRoute.BLOCKED for copy in self._gemm_copies.values())
+        beside = QUANT_KERNEL_ROWS_BESIDE_BLOCKED_COPY if blocked else QUANT_KERNEL_ROWS_BESIDE_COPY
+        self.quant_kernel_rows = min(self.quant_kernel_rows, beside)
 
     def _dequantized_bf16(self, w: QuantizedWeight) -> torch.Tensor:
         """The bf16 weight [N, K], by the kernels that dequantize per call: the same values."""

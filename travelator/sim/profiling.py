@@ -30,8 +30,10 @@ _SWITCH_PATTERNS = [re.compile(re.escape(words).replace(re.escape("{rows}"), r"(
 def route_switch_rows(summary: str) -> tuple[int, ...]:
     """The row counts at which the engine's steps change kernels, as its start-up line names
     them (``engine.summary``): up to them a step streams its weights (and, where every layer
-    streams, runs its layers in one native call); past them it takes the GEMM. Empty where
-    it names none (no native kernels, a GPU): the fit then tries its own candidates."""
+    streams, runs its layers in one native call); past them it takes the GEMM (quantized
+    layers' kept copies, which may run in the native call too). Empty where it names none (no
+    native kernels, a GPU, every bf16 layer on blocked_linear): the fit then tries its own
+    candidates."""
     return tuple(sorted({int(m.group(1)) for p in _SWITCH_PATTERNS for m in p.finditer(summary)}))
 
 
