@@ -181,3 +181,25 @@ def test_a_prompt_runs_in_the_stack_where_blocked_linear_takes_every_layer():
         runs.append((out.token_ids, [(lp.logprob, lp.top_logprobs) for lp in out.outputs[0].logprobs]))
     assert runs[0] == runs[1]
     assert _stack_rows_seen(llm, 100) == [100, 1, 1]
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.travelator, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
+def test_a_mixtures_prompt_in_the_stack_gives_the_python_layers_bits(tmp_path):
+    """A mixture whose every layer, the router of 64 experts included, takes blocked_linear:
+    its prompt of 100 rows runs in the stack, the experts through the native experts call,
+    to the bits of the Python layers (each expert's rows through its own GEMM)."""
+    from hf_models import qwen3_moe_overrides
+
+    path = build_checkpoint(tmp_path / "moe", "qwen3_moe",
+                            **dict(qwen3_moe_overrides(), num_experts=64, moe_intermediate_size=64))
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
+    assert set(LayerStack.of(llm.engine.runner.model).linears.ints[0::3]) == {LinearRoute.BLOCKED}
+    prompt = [[1] + list(range(3, 102))]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    runs = []
+    for use_stack in (False, True):
+        llm.engine.runner.model.use_layer_stack = use_stack
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        runs.append((out.token_ids, [(lp.logprob, lp.top_logprobs) for lp in out.outputs[0].logprobs]))
+    assert runs[0] == runs[1]
+    assert _stack_rows_seen(llm, 100) == [100, 1, 1]
