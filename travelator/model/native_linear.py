@@ -145,7 +145,7 @@ class NativeLinear:
         self._blocked_built = hasattr(self._ops, "blocked_linear")  # AVX512-BF16
         # With AMX blocked_linear runs on the tiles where k is a multiple of this (0: no AMX
         # here, or Linux refused the tiles, when oneDNN cannot use them either and the BLOCKED
-        # route takes its vdpbf16ps kernel as on Zen 4); with the tiles, weights of other k
+        # route takes its vdpbf16ps kernel as on CPUs without AMX); with the tiles, weights of other k
         # keep oneDNN's route, faster than that kernel on AMX.
         self.blocked_on_tiles = self._ops.blocked_linear_amx_k_multiple() if self._blocked_built else 0
         self._panels_built = hasattr(self._ops, "panel_linear")  # AVX2 without AVX-512
