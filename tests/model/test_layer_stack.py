@@ -23,6 +23,17 @@ PROMPTS = [[1, 5, 9, 200, 33, 7], [1, 44, 3], [1, 8, 8, 8, 70, 71, 72, 73, 9]]
 
 def _generate(llm: LLM, use_stack: bool) -> tuple[list, int]:
     """Tokens and logprobs of every prompt, and how many steps went through the stack."""
+    out, rows = _generate_rows(llm, use_stack)
+    return out, len(rows)
+
+
+def _prompt(length: int) -> list[int]:
+    return [1] + list(range(3, 2 + length))
+
+
+def _generate_rows(llm: LLM, use_stack: bool, prompts: list[list[int]] = PROMPTS,
+                   max_tokens: int = 10) -> tuple[list, list[int]]:
+    """Tokens and logprobs of every prompt, and the rows of each step that went through the stack."""
     runner = llm.engine.runner
     runner.model.use_layer_stack = use_stack
     ops, calls = runner.ops, []
@@ -34,12 +45,12 @@ def _generate(llm: LLM, use_stack: bool) -> tuple[list, int]:
 
     ops.decoder_layers = counted
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
-        results = llm.generate(PROMPTS, params, use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+        results = llm.generate(prompts, params, use_tqdm=False)
     finally:
         del ops.decoder_layers
     out = [(r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.outputs[0].logprobs]) for r in results]
-    return out, len(calls)
+    return out, calls
 
 
 @pytest.mark.parametrize("model,dtype,quantization,kv", [
@@ -124,14 +135,13 @@ def test_the_layer_stack_passes_each_layers_window(tmp_path, windows):
 
 
 def _stack_rows_seen(llm: LLM, prompt_len: int) -> list[int]:
-    """The rows of every step that ran in the native stack, generating from one prompt."""
-    runner = llm.engine.runner
-    seen = []
-    native = type(runner.ops).decoder_layers
-    runner.ops.decoder_layers = lambda *a: seen.append(a[0].shape[0]) or native(runner.ops, *a)
-    llm.generate([[1] + list(range(3, 2 + prompt_len))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                 use_tqdm=False)
-    return seen
+    """The rows of every step that ran in the native stack, generating 3 tokens from one prompt."""
+    return _generate_rows(llm, True, [_prompt(prompt_len)], max_tokens=3)[1]
+
+
+def _stack_gives_python_bits(llm: LLM, prompts: list[list[int]], max_tokens: int) -> bool:
+    """Whether the prompts' tokens and logprobs are the same bits with the stack off and on."""
+    return _generate_rows(llm, False, prompts, max_tokens)[0] == _generate_rows(llm, True, prompts, max_tokens)[0]
 
 
 def test_steps_the_stack_does_not_cover_run_the_python_layers():
@@ -155,14 +165,7 @@ def test_steps_past_the_integer_kernels_take_the_kept_copies_in_the_stack(quanti
               max_num_seqs=3, enable_prefix_caching=False)
     ops = llm.engine.runner.ops
     assert ops.gemm_copies
-    prompts = [[1] + list(range(3, 3 + n)) for n in (20, 31, 40)]
-    runs = []
-    for use_stack in (False, True):
-        llm.engine.runner.model.use_layer_stack = use_stack
-        results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3),
-                               use_tqdm=False)
-        runs.append([(r.token_ids, [(lp.logprob, lp.top_logprobs) for lp in r.outputs[0].logprobs]) for r in results])
-    assert runs[0] == runs[1]
+    assert _stack_gives_python_bits(llm, [_prompt(n) for n in (21, 32, 41)], max_tokens=6)
     seen = _stack_rows_seen(llm, 40)
     assert seen[0] == 40 > ops.streaming_rows(True, quantization == "int8") and seen[1:] == [1, 1]
 
@@ -172,14 +175,7 @@ def test_a_prompt_runs_in_the_stack_where_blocked_linear_takes_every_layer():
     """blocked_linear takes every row count: a bf16 prompt's step runs in the stack too, to the
     Python layers' bits."""
     llm = LLM("dummy:tiny", device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
-    prompt = [[1] + list(range(3, 102))]
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
-    runs = []
-    for use_stack in (False, True):
-        llm.engine.runner.model.use_layer_stack = use_stack
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
-        runs.append((out.token_ids, [(lp.logprob, lp.top_logprobs) for lp in out.outputs[0].logprobs]))
-    assert runs[0] == runs[1]
+    assert _stack_gives_python_bits(llm, [_prompt(100)], max_tokens=3)
     assert _stack_rows_seen(llm, 100) == [100, 1, 1]
 
 
@@ -194,12 +190,5 @@ def test_a_mixtures_prompt_in_the_stack_gives_the_python_layers_bits(tmp_path):
                             **dict(qwen3_moe_overrides(), num_experts=64, moe_intermediate_size=64))
     llm = LLM(str(path), device="cpu", dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False)
     assert set(LayerStack.of(llm.engine.runner.model).linears.ints[0::3]) == {LinearRoute.BLOCKED}
-    prompt = [[1] + list(range(3, 102))]
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
-    runs = []
-    for use_stack in (False, True):
-        llm.engine.runner.model.use_layer_stack = use_stack
-        out = llm.generate(prompt, params, use_tqdm=False)[0]
-        runs.append((out.token_ids, [(lp.logprob, lp.top_logprobs) for lp in out.outputs[0].logprobs]))
-    assert runs[0] == runs[1]
+    assert _stack_gives_python_bits(llm, [_prompt(100)], max_tokens=3)
     assert _stack_rows_seen(llm, 100) == [100, 1, 1]
