@@ -174,9 +174,11 @@ inline void configure(int64_t rows_a, int64_t rows_b) {
 
 // The sums over every k of x's rows a (from xa) and, kTwo, b (16 rows further) by the
 // block's columns 16 j .. 16 j + 31, stored to c: tile t's 16 x 16 floats at c + 256 t.
+// ahead, lines: lines of weights to ask for into L2 meanwhile, spread over k.
 template <bool kTwo>
 inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat16* block, int64_t K2, int64_t j,
-                 float* c) {
+                 float* c, const char* ahead, int64_t lines) {
+  const int64_t per_step = (lines * kPairs + K2 - 1) / K2;
   const c10::BFloat16* xb = xa + kTileRows * (x_row_bytes / 2);
   const c10::BFloat16* wc = block + 32 * j;  // column tile j: 16 columns' pairs into each pair's 64
   const c10::BFloat16* wd = wc + 32;
@@ -186,7 +188,9 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t p = 0; p < K2; p += kPairs) {
+  for (int64_t p = 0, line = 0; p < K2; p += kPairs) {
+    for (const int64_t stop = std::min(lines, line + per_step); line < stop; ++line)
+      _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
     _tile_loadd(4, xa + 2 * p, x_row_bytes);
     _tile_loadd(6, wc + p * 2 * kCols, kPairBytes);
     _tile_dpbf16ps(0, 4, 6);
@@ -208,7 +212,10 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
 
 // y [M, N] = x [M, 2 K2] W^T (+ b), K2 a multiple of kPairs. Blocks of 64 columns are split
 // over threads; rows of x are taken a tile at a time (kept in L2), each tile against every
-// block of the thread's, 32 rows and 32 columns a pass.
+// block of the thread's, 32 rows and 32 columns a pass. A block's first pass reads it from
+// memory and the others from L2, so the passes over a block ask for the block the thread
+// takes next, a share each: memory streams while the tiles compute, where otherwise the
+// two took turns.
 void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16* w, int64_t N, const float* b,
               c10::BFloat16* y) {
   const int64_t K = 2 * K2, pass_rows = 2 * kTileRows;
@@ -218,8 +225,14 @@ void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16
     int64_t configured_a = -1, configured_b = -1;
     for (int64_t t0 = 0; t0 < M; t0 += row_tile) {
       const int64_t t1 = std::min(M, t0 + row_tile);
+      const int64_t passes = 2 * ((t1 - t0 + pass_rows - 1) / pass_rows);
       for (int64_t nb = begin; nb < end; ++nb) {
         const c10::BFloat16* block = w + nb * K2 * 2 * kCols;
+        const int64_t next = nb + 1 < end ? nb + 1 : t1 < M ? begin : -1;
+        const char* ahead = reinterpret_cast<const char*>(w + std::max<int64_t>(next, 0) * K2 * 2 * kCols);
+        const int64_t block_lines = next < 0 ? 0 : K2 * kPairBytes / 64;
+        const int64_t share = (block_lines + passes - 1) / passes;
+        int64_t asked = 0;
         for (int64_t m0 = t0; m0 < t1; m0 += pass_rows) {
           const int64_t rows_a = std::min(kTileRows, t1 - m0);
           const int64_t rows_b = std::clamp<int64_t>(t1 - m0 - kTileRows, 0, kTileRows);
@@ -228,8 +241,10 @@ void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16
             configured_a = rows_a, configured_b = rows_b;
           }
           for (int64_t j = 0; j < 4; j += 2) {
-            if (rows_b > 0) pass<true>(x + m0 * K, 2 * K, block, K2, j, c);
-            else pass<false>(x + m0 * K, 2 * K, block, K2, j, c);
+            const int64_t lines = std::min(share, block_lines - asked);
+            if (rows_b > 0) pass<true>(x + m0 * K, 2 * K, block, K2, j, c, ahead + 64 * asked, lines);
+            else pass<false>(x + m0 * K, 2 * K, block, K2, j, c, ahead + 64 * asked, lines);
+            asked += lines;
             for (int64_t t = 0; t < (rows_b > 0 ? 4 : 2); ++t) {
               const int64_t col = nb * kCols + 16 * (j + t % 2), row0 = m0 + kTileRows * (t / 2);
               for (int64_t r = 0; r < (t < 2 ? rows_a : rows_b); ++r) {
