@@ -53,6 +53,9 @@ constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes (64 KB of a block
 constexpr int64_t kFewGroups = 3;
 constexpr int64_t kFewGroupPairs = 64;
 constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
+// The same on AMX tiles, whose x tiles are read from L2 beside one block of weights: a
+// larger tile of rows reads every block from memory fewer times on a long prefill.
+constexpr int64_t kTileRowTileBytes = 1 << 20;
 
 // acc[r][0..64) += sum over pairs p < n_pairs of x[r] pair p . w pair p, R rows.
 // ahead, lines: lines of weights to ask for into L2 meanwhile, spread over the pairs.
@@ -219,7 +222,7 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
 void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16* w, int64_t N, const float* b,
               c10::BFloat16* y) {
   const int64_t K = 2 * K2, pass_rows = 2 * kTileRows;
-  const int64_t row_tile = std::max<int64_t>(pass_rows, kRowTileBytes / (2 * K) / pass_rows * pass_rows);
+  const int64_t row_tile = std::max<int64_t>(pass_rows, kTileRowTileBytes / (2 * K) / pass_rows * pass_rows);
   at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[4 * 256];
     int64_t configured_a = -1, configured_b = -1;
