@@ -1,7 +1,7 @@
 """The machine's roofline, and workload W's and batch 1's bounds on it.
 
-Measures, with every core: the float32 FMA peak, the bf16 dot peak (AVX512-BF16's vdpbf16ps)
-and the int8 dot peak (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) of a register-only
+Measures, with every core: the float32 FMA peak, the bf16 dot peaks (AVX512-BF16's vdpbf16ps,
+and AMX's tdpbf16ps on tiles where the CPU has them) and the int8 dot peak (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) of a register-only
 loop compiled here for this CPU, the GEMMs torch reaches in each (what a kernel can hope
 for), and the memory bandwidth (a float32 sum over a buffer far larger than the caches).
 Then, for a model and a weight format, the bounds:
@@ -19,7 +19,8 @@ Then, for a model and a weight format, the bounds:
     python benchmarks/roofline.py --measured-w 680       # W's tok/s as a share of the bound
 
 Attention's FLOPs count; norms, rope and sampling do not (a bound, not a model of the time).
-AMX's tile peak is not measured (its loop needs tile set-up); torch's bf16 GEMM shows it.
+The bf16 bound takes the best of the bf16 peaks and torch's bf16 GEMM (a GEMM cannot pass
+its unit's peak; the GEMM row shows how near a tuned one gets).
 """
 
 from __future__ import annotations
@@ -88,6 +89,37 @@ extern "C" double dot_bf16(long iters) {
 #endif
   return sink == 12345.0f ? -ops : ops;
 }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+// AMX: four 16 x 16 float sums, each a product of two of four 16 x 32 bf16 tiles (tdpbf16ps),
+// the operands held in tiles; 0 where the CPU has no AMX or Linux does not lend the tiles.
+extern "C" double tiles_bf16(long iters) {
+  double ops = 0; float sink = 0;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+#pragma omp parallel reduction(+ : ops, sink)
+  {
+    struct alignas(64) { unsigned char palette = 1, start = 0, reserved[14] = {}; unsigned short colsb[16] = {};
+                         unsigned char rows[16] = {}; } cfg;
+    for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+    alignas(64) float out[256] = {};
+    for (int t = 0; t < 4; ++t) out[t] = 1.0f;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, out, 64); _tile_loadd(5, out, 64); _tile_loadd(6, out, 64); _tile_loadd(7, out, 64);
+    for (long i = 0; i < iters; ++i) {
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    sink += out[0];
+    ops += 2.0 * 4 * 16 * 16 * 32 * iters;
+  }
+#endif
+  return sink == 12345.0f ? -ops : ops;
+}
 extern "C" double dot_int8(long iters) {
   double ops = 0; long sink = 0;
 #pragma omp parallel reduction(+ : ops, sink)
@@ -136,6 +168,7 @@ extern "C" const char* int8_dot_name() {
 class Machine:
     fma_f32: float  # FLOP/s
     dot_bf16: float | None
+    tiles_bf16: float | None  # AMX's tdpbf16ps
     dot_int8: float  # int8 OP/s (a multiply and an add each)
     int8_name: str
     gemm_f32: float
@@ -150,7 +183,7 @@ def peak_loops() -> ctypes.CDLL:
     subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp / "peak.so"),
                     str(tmp / "peak.cpp")], check=True)
     lib = ctypes.CDLL(str(tmp / "peak.so"))
-    for name in ("fma_f32", "dot_bf16", "dot_int8"):
+    for name in ("fma_f32", "dot_bf16", "tiles_bf16", "dot_int8"):
         getattr(lib, name).restype = ctypes.c_double
         getattr(lib, name).argtypes = [ctypes.c_long]
     lib.int8_dot_name.restype = ctypes.c_char_p
@@ -183,6 +216,7 @@ def measure_machine() -> Machine:
     return Machine(
         fma_f32=ops_per_second(lib.fma_f32),
         dot_bf16=ops_per_second(lib.dot_bf16) if bf16_dot else None,
+        tiles_bf16=ops_per_second(lib.tiles_bf16, iters=2_000_000) or None,
         dot_int8=ops_per_second(lib.dot_int8),
         int8_name=lib.int8_dot_name().decode(),
         gemm_f32=gemm_flops(torch.float32),
@@ -243,8 +277,8 @@ def compute_peak(machine: Machine, fmt: str) -> tuple[float, str]:
     if fmt in ("int8", "int4"):
         return machine.dot_int8, f"int8 dot ({machine.int8_name})"
     if fmt == "bfloat16" and machine.gemm_bf16 is not None:
-        best = max(machine.dot_bf16 or 0.0, machine.gemm_bf16)
-        return best, "bf16 dot (the better of vdpbf16ps and torch's bf16 GEMM: AMX where present)"
+        best = max(machine.dot_bf16 or 0.0, machine.tiles_bf16 or 0.0, machine.gemm_bf16)
+        return best, "bf16 dot (the best of vdpbf16ps, AMX's tiles and torch's bf16 GEMM)"
     return machine.fma_f32, "float32 FMA" + (" (bf16 weights widened: no bf16 GEMM here)" if fmt == "bfloat16" else "")
 
 
@@ -269,6 +303,7 @@ def main() -> None:
     g = 1e9
     print(f"float32 FMA peak {m.fma_f32 / g:.0f} GFLOP/s (torch float32 GEMM {m.gemm_f32 / g:.0f}); "
           f"bf16 dot peak {f'{m.dot_bf16 / g:.0f} GFLOP/s' if m.dot_bf16 else 'none (no AVX512-BF16)'}"
+          f"{f'; AMX tiles {m.tiles_bf16 / g:.0f}' if m.tiles_bf16 else ''}"
           f"{f' (torch bf16 GEMM {m.gemm_bf16 / g:.0f})' if m.gemm_bf16 else ''}; "
           f"int8 dot peak {m.dot_int8 / g:.0f} GOP/s ({m.int8_name}); memory read {m.bandwidth / g:.1f} GB/s")
     dtype = "float32" if args.format == "float32" else "bfloat16"

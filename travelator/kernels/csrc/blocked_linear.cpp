@@ -16,9 +16,11 @@
 //   multiplied by a tile of 16 pairs of k by 16 columns read in place from the layout (a
 //   pair of a block is 256 bytes: the tile's rows are that far apart), into 16 x 16 float
 //   sums. Two tiles of rows and two of columns at a time (the eight tile registers: four
-//   sums, two of x, two of weights), over all of k. It is ahead of oneDNN's AMX GEMM at a
-//   decode step's rows, most on small layers, where oneDNN's own cost per call weighs most,
-//   and about level with it past them (docs/benchmarks.md).
+//   sums, two of x, two of weights), over all of k, while the passes over a block ask for
+//   the thread's next block into L2. Its operands come from L2 (a block, and x's rows: up
+//   to 1 MB of them), whose tile loads, not the products, bound its speed. It is ahead of
+//   oneDNN's AMX GEMM at a decode step's rows, most on small layers, where oneDNN's own cost
+//   per call weighs most, and about level with it past them (docs/benchmarks.md).
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
