@@ -1,7 +1,8 @@
 """The machine's roofline, and workload W's and batch 1's bounds on it.
 
 Measures, with every core: the float32 FMA peak, the bf16 dot peaks (AVX512-BF16's vdpbf16ps,
-and AMX's tdpbf16ps on tiles where the CPU has them) and the int8 dot peak (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) of a register-only
+and AMX's tdpbf16ps on tiles where the CPU has them) and the int8 dot peak
+(VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) of a register-only
 loop compiled here for this CPU, the GEMMs torch reaches in each (what a kernel can hope
 for), and the memory bandwidth (a float32 sum over a buffer far larger than the caches).
 Then, for a model and a weight format, the bounds:
@@ -303,8 +304,8 @@ def main() -> None:
     g = 1e9
     print(f"float32 FMA peak {m.fma_f32 / g:.0f} GFLOP/s (torch float32 GEMM {m.gemm_f32 / g:.0f}); "
           f"bf16 dot peak {f'{m.dot_bf16 / g:.0f} GFLOP/s' if m.dot_bf16 else 'none (no AVX512-BF16)'}"
-          f"{f'; AMX tiles {m.tiles_bf16 / g:.0f}' if m.tiles_bf16 else ''}"
-          f"{f' (torch bf16 GEMM {m.gemm_bf16 / g:.0f})' if m.gemm_bf16 else ''}; "
+          f"{f'; AMX tiles {m.tiles_bf16 / g:.0f} GFLOP/s' if m.tiles_bf16 else ''}"
+          f"{f'; torch bf16 GEMM {m.gemm_bf16 / g:.0f}' if m.gemm_bf16 else ''}; "
           f"int8 dot peak {m.dot_int8 / g:.0f} GOP/s ({m.int8_name}); memory read {m.bandwidth / g:.1f} GB/s")
     dtype = "float32" if args.format == "float32" else "bfloat16"
     quant = args.format if args.format in ("int8", "int4") else "none"

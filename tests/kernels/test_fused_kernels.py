@@ -237,23 +237,27 @@ def test_blocked_linear_against_float64(n, k, biased):
 
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
-@pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
-def test_blocked_linear_over_several_tiles_of_rows():
-    """A long prefill's rows are taken a tile at a time (at k = 2048: 256 rows on AMX, 96 on
-    the vdpbf16ps kernel); 600 rows end in a partial tile, and each row's result is the
-    same in any tile."""
+@pytest.mark.parametrize("k", [2048, 2050])
+def test_blocked_linear_over_several_tiles_of_rows(k):
+    """A long prefill's rows are taken a tile at a time: at k = 2048, 256 rows on AMX (96 on
+    the vdpbf16ps kernel where there is no AMX); k = 2050 is not a multiple of 32, so the
+    vdpbf16ps kernel takes it on every CPU, 90 rows a tile. 600 rows end in a partial tile,
+    4 blocks of columns give each thread more than one, and each row's result is the same in
+    any tile."""
     from travelator.model.native_linear import blocked_linear_weight
 
-    g = torch.Generator().manual_seed(600)
-    w = torch.randn(128, 2048, generator=g).to(torch.bfloat16)
-    x = torch.randn(600, 2048, generator=g).to(torch.bfloat16)
-    y = ops.blocked_linear(x, blocked_linear_weight(w), None)
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(256, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(600, k, generator=g).to(torch.bfloat16)
+    blocked = blocked_linear_weight(w)
+    y = ops.blocked_linear(x, blocked, None)
     ref = x.double() @ w.double().T
     torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    for rows in (1, 33, 257, 599):
-        assert torch.equal(ops.blocked_linear(x[-rows:].contiguous(), blocked_linear_weight(w), None), y[-rows:])
+    for rows in (1, 33, 91, 257, 599):
+        assert torch.equal(ops.blocked_linear(x[-rows:].contiguous(), blocked, None), y[-rows:])
 
 
+@pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
 def test_blocked_linear_takes_the_tiles_where_the_cpu_has_amx():
     """On a CPU with AMX the tiles are built and lent (else every bf16 layer there would fall
     back to the vdpbf16ps kernel or oneDNN without a word)."""

@@ -18,7 +18,7 @@
 //   sums. Two tiles of rows and two of columns at a time (the eight tile registers: four
 //   sums, two of x, two of weights), over all of k, while the passes over a block ask for
 //   the thread's next block into L2. Its operands come from L2 (a block, and x's rows: up
-//   to 1 MB of them), whose tile loads, not the products, bound its speed. It is ahead of
+//   to 1 MB of them), and it runs far below the tiles' own peak (docs/benchmarks.md). It is ahead of
 //   oneDNN's AMX GEMM at a decode step's rows, most on small layers, where oneDNN's own cost
 //   per call weighs most, and about level with it past them (docs/benchmarks.md).
 //
@@ -55,9 +55,13 @@ constexpr int64_t kKeyPairs = 256;  // pairs of k a pass takes (64 KB of a block
 constexpr int64_t kFewGroups = 3;
 constexpr int64_t kFewGroupPairs = 64;
 constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at most this much of x, kept in L2
-// The same on AMX tiles, whose x tiles are read from L2 beside one block of weights: a
-// larger tile of rows reads every block from memory fewer times on a long prefill.
+// The same on AMX tiles, whose x tiles are read from L2 beside a block of weights and the
+// next block, asked for meanwhile: a larger tile of rows reads every block from memory
+// fewer times on a long prefill. At most kTileRowTileBytes of x, and no more than leaves
+// the two blocks room in kTileL2Bytes (the L2 of a core of the AMX CPUs, 2 MB, less a
+// margin for the sums and the output).
 constexpr int64_t kTileRowTileBytes = 1 << 20;
+constexpr int64_t kTileL2Bytes = 1792 << 10;
 
 // acc[r][0..64) += sum over pairs p < n_pairs of x[r] pair p . w pair p, R rows.
 // ahead, lines: lines of weights to ask for into L2 meanwhile, spread over the pairs.
@@ -217,14 +221,15 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
 
 // y [M, N] = x [M, 2 K2] W^T (+ b), K2 a multiple of kPairs. Blocks of 64 columns are split
 // over threads; rows of x are taken a tile at a time (kept in L2), each tile against every
-// block of the thread's, 32 rows and 32 columns a pass. A block's first pass reads it from
-// memory and the others from L2, so the passes over a block ask for the block the thread
-// takes next, a share each: memory streams while the tiles compute, where otherwise the
-// two took turns.
+// block of the thread's, 32 rows and 32 columns a pass. A block's first two passes (its
+// two pairs of column tiles) read it from memory, half each, and its passes over more rows
+// from L2, so the passes over a block ask for the block the thread takes next, a share
+// each: memory streams while the tiles compute, where otherwise the two took turns.
 void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16* w, int64_t N, const float* b,
               c10::BFloat16* y) {
   const int64_t K = 2 * K2, pass_rows = 2 * kTileRows;
-  const int64_t row_tile = std::max<int64_t>(pass_rows, kTileRowTileBytes / (2 * K) / pass_rows * pass_rows);
+  const int64_t tile_bytes = std::min(kTileRowTileBytes, kTileL2Bytes - 2 * K2 * kPairBytes);
+  const int64_t row_tile = std::max<int64_t>(pass_rows, tile_bytes / (2 * K) / pass_rows * pass_rows);
   at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[4 * 256];
     int64_t configured_a = -1, configured_b = -1;
