@@ -18,9 +18,9 @@
 //   sums. Two tiles of rows and two of columns at a time (the eight tile registers: four
 //   sums, two of x, two of weights), over all of k, while the passes over a block ask for
 //   the thread's next block into L2. Its operands come from L2 (a block, and x's rows: up
-//   to 1 MB of them), and it runs far below the tiles' own peak (docs/benchmarks.md). It is ahead of
-//   oneDNN's AMX GEMM at a decode step's rows, most on small layers, where oneDNN's own cost
-//   per call weighs most, and about level with it past them (docs/benchmarks.md).
+//   to 1 MB of them), and it runs far below the tiles' own peak. It is ahead of oneDNN's
+//   AMX GEMM at a decode step's rows, most on small layers, where oneDNN's own cost per
+//   call weighs most, and about level with it past them (docs/benchmarks.md).
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -63,6 +63,13 @@ constexpr int64_t kRowTileBytes = 384 << 10;  // rows of x taken together: at mo
 constexpr int64_t kTileRowTileBytes = 1 << 20;
 constexpr int64_t kTileL2Bytes = 1792 << 10;
 
+// Ask for lines [first, stop) of the 64-byte lines from `ahead` into L2: weights a kernel
+// reads next, asked for a share at a time between its products.
+inline void ask_into_l2(const void* ahead, int64_t first, int64_t stop) {
+  for (int64_t line = first; line < stop; ++line)
+    _mm_prefetch(static_cast<const char*>(ahead) + 64 * line, _MM_HINT_T1);
+}
+
 // acc[r][0..64) += sum over pairs p < n_pairs of x[r] pair p . w pair p, R rows.
 // ahead, lines: lines of weights to ask for into L2 meanwhile, spread over the pairs.
 template <int64_t R>
@@ -73,8 +80,7 @@ inline void micro(const uint32_t* x, int64_t x_stride, const __m512bh* w, int64_
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc + r * kCols + 16 * j);
   for (int64_t p = 0; p < n_pairs; ++p) {
-    for (int64_t i = p * per_pair, stop = std::min(lines, (p + 1) * per_pair); i < stop; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + i), _MM_HINT_T1);
+    ask_into_l2(ahead, p * per_pair, std::min(lines, (p + 1) * per_pair));
     const __m512bh w0 = w[4 * p], w1 = w[4 * p + 1], w2 = w[4 * p + 2], w3 = w[4 * p + 3];
     for (int64_t r = 0; r < R; ++r) {
       const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + p]));
@@ -197,9 +203,8 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t p = 0, line = 0; p < K2; p += kPairs) {
-    for (const int64_t stop = std::min(lines, line + per_step); line < stop; ++line)
-      _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+  for (int64_t p = 0; p < K2; p += kPairs) {
+    ask_into_l2(ahead, p / kPairs * per_step, std::min(lines, (p / kPairs + 1) * per_step));
     _tile_loadd(4, xa + 2 * p, x_row_bytes);
     _tile_loadd(6, wc + p * 2 * kCols, kPairBytes);
     _tile_dpbf16ps(0, 4, 6);
