@@ -17,8 +17,9 @@
 //   pair of a block is 256 bytes: the tile's rows are that far apart), into 16 x 16 float
 //   sums. Two tiles of rows and two of columns at a time (the eight tile registers: four
 //   sums, two of x, two of weights), over all of k, while the passes over a block ask for
-//   the thread's next block into L2. Its operands come from L2 (a block, and x's rows: up
-//   to 1 MB of them), and it runs far below the tiles' own peak. It is ahead of oneDNN's
+//   the thread's next block into L2 and each pass writes out the previous pass's sums.
+//   Its operands come from L2 (a block, and x's rows: up to 1 MB of them), and it runs
+//   far below the tiles' own peak. It is ahead of oneDNN's
 //   AMX GEMM at a decode step's rows, most on small layers, where oneDNN's own cost per
 //   call weighs most, and about level with it past them (docs/benchmarks.md).
 //
@@ -187,13 +188,39 @@ inline void configure(int64_t rows_a, int64_t rows_b) {
   _tile_loadconfig(&cfg);
 }
 
+// A finished pass's sums (its 32 columns of up to 32 rows), written out as bf16 while the
+// next pass computes: written between passes, the tiles idled while they were converted.
+// Each row's 32 columns are one whole 64-byte line of y, stored non-temporally: a regular
+// store first reads the line in, which slowed the whole kernel by more than writing y costs.
+struct PendingSums {
+  const float* c = nullptr;  // tile t's 16 x 16 sums at c + 256 t (tiles 0-3 as in configure)
+  c10::BFloat16* y = nullptr;
+  int64_t n = 0;  // y's columns
+  const float* b = nullptr;
+  int64_t col = 0, row0 = 0;  // columns col .. col + 31 of rows a (from row0) and b (16 further)
+  int64_t rows_a = 0, rows = 0;  // rows is rows_a plus rows b's count
+
+  // Rows [first, stop) of the pass's rows a, then b.
+  void write(int64_t first, int64_t stop) const {
+    for (int64_t i = first; i < stop; ++i) {
+      const int64_t half = i < rows_a ? 0 : 1, r = i - half * rows_a;
+      __m512 lo = _mm512_loadu_ps(c + 512 * half + 16 * r), hi = _mm512_loadu_ps(c + 512 * half + 256 + 16 * r);
+      if (b != nullptr) lo = _mm512_add_ps(lo, _mm512_loadu_ps(b + col)), hi = _mm512_add_ps(hi, _mm512_loadu_ps(b + col + 16));
+      auto* line = reinterpret_cast<__m512i*>(y + (row0 + kTileRows * half + r) * n + col);
+      _mm512_stream_si512(line, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+};
+
 // The sums over every k of x's rows a (from xa) and, kTwo, b (16 rows further) by the
 // block's columns 16 j .. 16 j + 31, stored to c: tile t's 16 x 16 floats at c + 256 t.
-// ahead, lines: lines of weights to ask for into L2 meanwhile, spread over k.
+// ahead, lines: lines of weights to ask for into L2 meanwhile; done: the previous pass's
+// sums to write out meanwhile; both spread over k.
 template <bool kTwo>
 inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat16* block, int64_t K2, int64_t j,
-                 float* c, const char* ahead, int64_t lines) {
+                 float* c, const char* ahead, int64_t lines, const PendingSums& done) {
   const int64_t per_step = (lines * kPairs + K2 - 1) / K2;
+  const int64_t rows_per_step = (done.rows * kPairs + K2 - 1) / K2;
   const c10::BFloat16* xb = xa + kTileRows * (x_row_bytes / 2);
   const c10::BFloat16* wc = block + 32 * j;  // column tile j: 16 columns' pairs into each pair's 64
   const c10::BFloat16* wd = wc + 32;
@@ -203,8 +230,8 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t p = 0; p < K2; p += kPairs) {
-    ask_into_l2(ahead, p / kPairs * per_step, std::min(lines, (p / kPairs + 1) * per_step));
+  for (int64_t p = 0, step = 0; p < K2; p += kPairs, ++step) {
+    ask_into_l2(ahead, step * per_step, std::min(lines, (step + 1) * per_step));
     _tile_loadd(4, xa + 2 * p, x_row_bytes);
     _tile_loadd(6, wc + p * 2 * kCols, kPairBytes);
     _tile_dpbf16ps(0, 4, 6);
@@ -215,6 +242,7 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    done.write(std::min(done.rows, step * rows_per_step), std::min(done.rows, (step + 1) * rows_per_step));
   }
   _tile_stored(0, c, 64);
   _tile_stored(1, c + 256, 64);
@@ -224,20 +252,22 @@ inline void pass(const c10::BFloat16* xa, int64_t x_row_bytes, const c10::BFloat
   }
 }
 
-// y [M, N] = x [M, 2 K2] W^T (+ b), K2 a multiple of kPairs. Blocks of 64 columns are split
-// over threads; rows of x are taken a tile at a time (kept in L2), each tile against every
-// block of the thread's, 32 rows and 32 columns a pass. A block's first two passes (its
-// two pairs of column tiles) read it from memory, half each, and its passes over more rows
-// from L2, so the passes over a block ask for the block the thread takes next, a share
-// each: memory streams while the tiles compute, where otherwise the two took turns.
+// y [M, N] = x [M, 2 K2] W^T (+ b), K2 a multiple of kPairs, y 64-byte aligned. Blocks of
+// 64 columns are split over threads; rows of x are taken a tile at a time (kept in L2),
+// each tile against every block of the thread's, 32 rows and 32 columns a pass. A block's
+// first two passes (its two pairs of column tiles) read it from memory, half each, and its
+// passes over more rows from L2, so the passes over a block ask for the block the thread
+// takes next, a share each: memory streams while the tiles compute, where otherwise the
+// two took turns.
 void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16* w, int64_t N, const float* b,
               c10::BFloat16* y) {
   const int64_t K = 2 * K2, pass_rows = 2 * kTileRows;
   const int64_t tile_bytes = std::min(kTileRowTileBytes, kTileL2Bytes - 2 * K2 * kPairBytes);
   const int64_t row_tile = std::max<int64_t>(pass_rows, tile_bytes / (2 * K) / pass_rows * pass_rows);
   at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[4 * 256];
-    int64_t configured_a = -1, configured_b = -1;
+    alignas(64) float c[2][4 * 256];  // a pass's sums, and the previous pass's being written out
+    PendingSums done{nullptr, y, N, b};
+    int64_t configured_a = -1, configured_b = -1, turn = 0;
     for (int64_t t0 = 0; t0 < M; t0 += row_tile) {
       const int64_t t1 = std::min(M, t0 + row_tile);
       const int64_t passes = 2 * ((t1 - t0 + pass_rows - 1) / pass_rows);
@@ -255,23 +285,19 @@ void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16
             configure(rows_a, rows_b);
             configured_a = rows_a, configured_b = rows_b;
           }
-          for (int64_t j = 0; j < 4; j += 2) {
+          for (int64_t j = 0; j < 4; j += 2, turn ^= 1) {
             const int64_t lines = std::min(share, block_lines - asked);
-            if (rows_b > 0) pass<true>(x + m0 * K, 2 * K, block, K2, j, c, ahead + 64 * asked, lines);
-            else pass<false>(x + m0 * K, 2 * K, block, K2, j, c, ahead + 64 * asked, lines);
+            if (rows_b > 0) pass<true>(x + m0 * K, 2 * K, block, K2, j, c[turn], ahead + 64 * asked, lines, done);
+            else pass<false>(x + m0 * K, 2 * K, block, K2, j, c[turn], ahead + 64 * asked, lines, done);
             asked += lines;
-            for (int64_t t = 0; t < (rows_b > 0 ? 4 : 2); ++t) {
-              const int64_t col = nb * kCols + 16 * (j + t % 2), row0 = m0 + kTileRows * (t / 2);
-              for (int64_t r = 0; r < (t < 2 ? rows_a : rows_b); ++r) {
-                __m512 v = _mm512_loadu_ps(c + 256 * t + 16 * r);
-                if (b != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(b + col));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (row0 + r) * N + col), (__m256i)_mm512_cvtneps_pbh(v));
-              }
-            }
+            done.c = c[turn], done.col = nb * kCols + 16 * j, done.row0 = m0;
+            done.rows_a = rows_a, done.rows = rows_a + rows_b;
           }
         }
       }
     }
+    done.write(0, done.rows);
+    _mm_sfence();  // the non-temporal stores reach memory before the caller reads y
     if (configured_a >= 0) _tile_release();
   });
 }
@@ -313,6 +339,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   auto* yp = y.data_ptr<c10::BFloat16>();
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
   if (K2 % amx::kPairs == 0 && amx::permitted()) {
+    TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(yp) % 64 == 0, "blocked_linear: y is not 64-byte aligned");
     amx::multiply(xp, M, K2, wp, N, b, yp);
     return y;
   }
