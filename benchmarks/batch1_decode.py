@@ -73,18 +73,25 @@ def _nbytes(weight) -> int:
 
 
 def last_level_cache_bytes(default: int = 512 << 20) -> int:
-    """The L3's size as Linux reports it for CPU 0 (``default`` where it reports none)."""
-    try:
-        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
-    except OSError:
-        return default
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-    return int(size.rstrip("KMG")) * scale
+    """The L3 caches' total size as Linux reports them, each shared group of CPUs counted
+    once (``default`` where it reports none)."""
+    sizes: dict[str, int] = {}
+    for cache in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index3"):
+        try:
+            if (cache / "level").read_text().strip() != "3":
+                continue
+            shared = (cache / "shared_cpu_list").read_text().strip()
+            size = (cache / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        sizes[shared] = int(size.rstrip("KMG")) * scale
+    return sum(sizes.values()) or default
 
 
 def stream_seconds(nbytes: int, repeats: int) -> float:
     """Median time to read ``nbytes`` from memory (DRAM) with every thread. Before each read
-    a buffer of twice the L3 is read, so the timed bytes are not found in the cache: weights
+    a buffer of twice the L3 caches is read, so the timed bytes are not found in the cache: weights
     that fit in the L3 (int4, int8 of a small model) would otherwise be timed at its speed."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     evict = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)

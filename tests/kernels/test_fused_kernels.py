@@ -208,14 +208,15 @@ def test_small_m_linear_against_float64(n, k):
 
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
-@pytest.mark.parametrize("n,k", [(64, 2), (192, 96), (256, 1408), (128, 1030)])
+@pytest.mark.parametrize("n,k", [(64, 2), (64, 96), (192, 96), (256, 1408), (128, 1030)])
 @pytest.mark.parametrize("biased", [False, True])
 def test_blocked_linear_against_float64(n, k, biased):
     """blocked_linear over its weight layout: float64's product within bf16 rounding, at row
     counts around its 6-row micro-kernel and past 128, with k over several passes (1408: 64-pair
     passes up to 18 rows, 256-pair ones past) and an odd number of pairs (1030); rows dealt
     out unevenly (7: 4 + 3, 13: 5 + 4 + 4); at 1408, 151 rows are a tile of 138 and one of 13,
-    three groups; a row's result never depends on the other rows."""
+    three groups; one block of columns (64), so that with AMX (k = 96) one thread has none;
+    a row's result never depends on the other rows."""
     from travelator.model.native_linear import blocked_linear_weight
 
     g = torch.Generator().manual_seed(n + k)
@@ -238,23 +239,25 @@ def test_blocked_linear_against_float64(n, k, biased):
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
 @pytest.mark.parametrize("k", [2048, 2050])
-def test_blocked_linear_over_several_tiles_of_rows(k):
+@pytest.mark.parametrize("biased", [False, True])
+def test_blocked_linear_over_several_tiles_of_rows(k, biased):
     """A long prefill's rows are taken a tile at a time: at k = 2048, 256 rows on AMX (96 on
     the vdpbf16ps kernel where there is no AMX); k = 2050 is not a multiple of 32, so the
     vdpbf16ps kernel takes it on every CPU, 90 rows a tile. 600 rows end in a partial tile,
     4 blocks of columns give each thread more than one, and each row's result is the same in
-    any tile."""
+    any tile. The bias is as large as the products, so that one left out fails the check."""
     from travelator.model.native_linear import blocked_linear_weight
 
     g = torch.Generator().manual_seed(k)
     w = torch.randn(256, k, generator=g).to(torch.bfloat16)
     x = torch.randn(600, k, generator=g).to(torch.bfloat16)
+    bias = (50 * torch.randn(256, generator=g)).to(torch.bfloat16) if biased else None
     blocked = blocked_linear_weight(w)
-    y = ops.blocked_linear(x, blocked, None)
-    ref = x.double() @ w.double().T
+    y = ops.blocked_linear(x, blocked, bias)
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
     torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
     for rows in (1, 33, 91, 257, 599):
-        assert torch.equal(ops.blocked_linear(x[-rows:].contiguous(), blocked, None), y[-rows:])
+        assert torch.equal(ops.blocked_linear(x[-rows:].contiguous(), blocked, bias), y[-rows:])
 
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")

@@ -19,9 +19,9 @@
 //   sums, two of x, two of weights), over all of k, while the passes over a block ask for
 //   the thread's next block into L2 and each pass writes out the previous pass's sums.
 //   Its operands come from L2 (a block, and x's rows: up to 1 MB of them), and it runs
-//   far below the tiles' own peak. It is ahead of oneDNN's
-//   AMX GEMM at a decode step's rows, most on small layers, where oneDNN's own cost per
-//   call weighs most, and about level with it past them (docs/benchmarks.md).
+//   far below the tiles' own peak. It is ahead of oneDNN's AMX GEMM at a decode step's
+//   rows, most on small layers, where oneDNN's own cost per call weighs most, and level
+//   with it or ahead past them (docs/benchmarks.md).
 //
 // Each output is summed over k in order, the same way whatever M is and however the rows
 // and columns are split: a row's result never depends on the other rows of x.
@@ -297,7 +297,7 @@ void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16
       }
     }
     done.write(0, done.rows);
-    _mm_sfence();  // the non-temporal stores reach memory before the caller reads y
+    _mm_sfence();  // the non-temporal stores are visible, in order, before the caller reads y
     if (configured_a >= 0) _tile_release();
   });
 }
