@@ -63,6 +63,28 @@ def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, 
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads,kvh,d,block_size", [(8, 4, 64, 16), (4, 1, 128, 16), (2, 2, 32, 4)])
+def test_long_prefill_chunks_match_the_reference(heads, kvh, d, block_size):
+    """Prompt chunks long enough for the tiled route's flash attention on AMX CPUs
+    (attention_flash.h; elsewhere the vector kernels take them): whole prompts, later chunks of
+    a prompt (the keys before the chunk attended apart and merged by log-sum-exp), a chunk one
+    row below the route's threshold, beside decodes, against the float64 reference."""
+    rng = random.Random(block_size * 10 + d)
+    num_blocks = 3200 // block_size
+    k_cache, v_cache = make_cache(num_blocks, block_size, kvh, d, torch.bfloat16, seed=d + 5)
+    blocks = rng.sample(range(num_blocks), num_blocks)
+    reqs = []
+    for context, n in [(37, 1), (500, 1), (0, 300), (200, 256), (1000, 170), (0, 159), (3, 161)]:
+        need = -(-(context + n) // block_size)
+        reqs.append((context, n, blocks[:need]))
+        blocks = blocks[need:]
+    total = sum(n for _, n, _ in reqs)
+    q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled=True)
+    torch.testing.assert_close(native.double(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prompt_len,chunks", [(53, (1, 5, 17)), (300, (7, 64))])
 def test_rows_do_not_depend_on_the_batch_or_the_chunking(dtype, prompt_len, chunks):

@@ -1,6 +1,8 @@
 // Attention over the paged KV cache for one flat batch of any mix of decodes and
 // prefill chunks: one call per layer, keys and values read in place through each
-// request's block table (no gather into padded copies).
+// request's block table (no gather into padded copies). Outside batch-invariant mode
+// (`tiled`), long prefill chunks on AMX CPUs go to ATen's flash attention instead, on a
+// gathered copy of their keys (attention_flash.h).
 //
 // Batch invariance by construction: every (query, head) row is reduced on its own,
 // over the keys in order of position, in chunks of a fixed number of positions (so the same
@@ -38,6 +40,7 @@
 #include "attention_avx2.h"
 #include "attention_avx512.h"
 #include "attention_common.h"
+#include "attention_flash.h"
 #include "attention_portable.h"
 #include "attention_tiled_bf16.h"
 
@@ -53,15 +56,21 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t* qs = query_start.data_ptr<int64_t>();
+  // Long prefill chunks go to ATen's flash attention (attention_flash.h), after the rest.
+  std::vector<bool> flash(num_requests, false);
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+    if (tiled && window == 0 && sinks == nullptr && flash_route_available())
+      for (int64_t r = 0; r < num_requests; ++r) flash[r] = qs[r + 1] - qs[r] >= kFlashMinQueries;
+  }
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
-    const int64_t n = qs[r + 1] - qs[r];
+    const int64_t n = flash[r] ? 0 : qs[r + 1] - qs[r];
     for (int64_t t = 0; t < n; t += kQueryTile) items.push_back({r, t, std::min(kQueryTile, n - t), 0, num_kv_heads});
   }
   // Fewer items than threads (one or two requests decoding): split each over its KV heads,
   // so that every thread has work. A row is still computed whole, by the same code.
   const int64_t threads = at::get_num_threads();
-  if (static_cast<int64_t>(items.size()) < threads && num_kv_heads > 1) {
+  if (!items.empty() && static_cast<int64_t>(items.size()) < threads && num_kv_heads > 1) {
     const int64_t parts = std::min(num_kv_heads, (threads + static_cast<int64_t>(items.size()) - 1) /
                                                      static_cast<int64_t>(items.size()));
     std::vector<WorkItem> split;
@@ -125,6 +134,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
     }
   });
+  for (int64_t r = 0; r < num_requests; ++r)
+    if (flash[r]) attend_chunk_flash(q, k_cache, v_cache, out, qs[r], qs[r + 1] - qs[r], lens[r],
+                                     table + r * block_tables.size(1), scale);
 }
 
 template <typename scalar_t>
