@@ -63,26 +63,61 @@ def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, 
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("heads,kvh,d,block_size", [(8, 4, 64, 16), (4, 1, 128, 16), (2, 2, 32, 4)])
+def attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled):
+    """attend() with q's rows strided, as the model's q (a slice of its QKV projection) is."""
+    wide = torch.zeros(q.shape[0], heads + 3, d, dtype=q.dtype)
+    wide[:, :heads] = q
+    return attend("native", wide[:, :heads], k_cache, v_cache, reqs, heads, kvh, d, tiled)
+
+
+def requests_with_blocks(rng, shapes, block_size):
+    """(context, query rows, block table) for each (context, rows), blocks at random places."""
+    need = [-(-(context + n) // block_size) for context, n in shapes]
+    blocks = rng.sample(range(sum(need)), sum(need))
+    reqs = []
+    for (context, n), k in zip(shapes, need):
+        reqs.append((context, n, blocks[:k]))
+        blocks = blocks[k:]
+    return reqs, sum(need)
+
+
+@pytest.mark.parametrize("heads,kvh,d,block_size", [(8, 4, 64, 16), (4, 1, 128, 16), (2, 2, 32, 4), (4, 2, 20, 16),
+                                                    (2, 1, 256, 8)])
 def test_long_prefill_chunks_match_the_reference(heads, kvh, d, block_size):
     """Prompt chunks long enough for the tiled route's flash attention on AMX CPUs
     (attention_flash.h; elsewhere the vector kernels take them): whole prompts, later chunks of
-    a prompt (the keys before the chunk attended apart and merged by log-sum-exp), a chunk one
-    row below the route's threshold, beside decodes, against the float64 reference."""
+    a prompt (the keys before the chunk attended apart and merged by log-sum-exp), chunks at and
+    one row below the route's threshold, beside decodes, q's rows strided, against the float64
+    reference; head_dims the vector kernels have no special path for among them."""
     rng = random.Random(block_size * 10 + d)
-    num_blocks = 3200 // block_size
+    shapes = [(37, 1), (500, 1), (0, 300), (200, 256), (1000, 170), (0, 159), (3, 161), (40, 160)]
+    reqs, num_blocks = requests_with_blocks(rng, shapes, block_size)
     k_cache, v_cache = make_cache(num_blocks, block_size, kvh, d, torch.bfloat16, seed=d + 5)
-    blocks = rng.sample(range(num_blocks), num_blocks)
-    reqs = []
-    for context, n in [(37, 1), (500, 1), (0, 300), (200, 256), (1000, 170), (0, 159), (3, 161)]:
-        need = -(-(context + n) // block_size)
-        reqs.append((context, n, blocks[:need]))
-        blocks = blocks[need:]
     total = sum(n for _, n, _ in reqs)
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
+    native = attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled=True)
+    torch.testing.assert_close(native.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_chunk_after_a_long_context_matches_the_reference():
+    """A chunk after more keys than the flash route takes in one call (8,192): the keys before
+    it are attended in slices, all merged."""
+    heads, kvh, d, bs = 2, 1, 32, 16
+    reqs, num_blocks = requests_with_blocks(random.Random(9), [(8500, 170), (20, 1)], bs)
+    k_cache, v_cache = make_cache(num_blocks, bs, kvh, d, torch.bfloat16, seed=6)
+    q = torch.randn(171, heads, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
     native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled=True)
     torch.testing.assert_close(native.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_flash_route_is_built_where_the_cpu_has_amx():
+    """The route above exists on every CPU with AMX's bf16 tiles (else those tests pass
+    through the vector kernels without it)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    assert torch.ops.travelator.attention_flash_route() == ("amx_bf16" in flags and "amx_tile" in flags)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

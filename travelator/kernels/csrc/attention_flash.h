@@ -1,15 +1,14 @@
 // Long prefill chunks of paged_attention.cpp on ATen's flash attention for the CPU, whose
-// Q.K and P.V are GEMMs on oneDNN's AMX kernels: on long chunks it is several times faster
-// than the vector kernels here (docs/benchmarks.md). Taken, like the tiled kernel, only where
-// the caller lets a row's numbers depend on its chunk (not batch_invariant), with bf16
-// queries and cache, no sliding window and no sinks, and only on CPUs with AMX (the one
-// kind where it was measured against the kernels here).
+// Q.K and P.V are GEMMs on oneDNN's AMX kernels, where the vector kernels here compute them
+// a vector at a time. Taken, like the tiled kernel, only where the caller lets a row's
+// numbers depend on its chunk (not batch_invariant), with bf16 queries and cache, no sliding
+// window and no sinks, and only on CPUs with AMX (elsewhere it has not been measured against
+// the kernels here, see docs/design.md).
 //
-// A request's keys are gathered from its blocks into one [1, heads, keys, head_dim] copy,
-// each KV head's rows repeated for its query heads. ATen's causal mask aligns the first
-// query with the first key, so a chunk with keys before it (a later chunk of a prompt, or a
-// cached prefix) is two calls, one over the keys before the chunk (no mask) and one over the
-// chunk's own (causal), merged by their log-sum-exps.
+// A request's keys and values are gathered from its blocks into contiguous copies. ATen's
+// causal mask aligns the first query with the first key, so a chunk with keys before it (a
+// later chunk of a prompt, or a cached prefix) is several calls: the chunk's own keys
+// (causal) and the keys before it (no mask), merged by their log-sum-exps.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -19,6 +18,7 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
+#include <ATen/ops/log.h>
 #include <ATen/ops/maximum.h>
 #include <c10/util/BFloat16.h>
 
@@ -30,9 +30,12 @@
 
 namespace travelator::attention {
 
-// Query rows from which a request's chunk takes the flash route (below it the kernels here
-// are as fast: ATen's has fewer blocks of work to spread over the threads).
+// Query rows from which a request's chunk takes the flash route: below it the call's fixed
+// costs (the gathered copies, one call a request, fewer blocks of work to share between the
+// threads) outweigh its faster products (docs/benchmarks.md).
 constexpr int64_t kFlashMinQueries = 160;
+// Keys before a chunk taken per call: bounds the gathered copies of a long context.
+constexpr int64_t kFlashKeySlice = 8192;
 
 // Whether this build and CPU take the flash route at all: AMX's tiles, and the process
 // granted their state by the OS (oneDNN's AMX kernels need it).
@@ -45,20 +48,19 @@ inline bool flash_route_available() {
 #endif
 }
 
-// Positions [first, first + count) of one request's K or V cache rows, every KV head's rows
-// repeated for its `group` query heads: [1, KVH * group, count, D], contiguous.
-inline at::Tensor gather_rows(const at::Tensor& cache, const int64_t* table, int64_t first, int64_t count,
-                              int64_t group) {
+// Positions [first, first + count) of one request's K or V cache rows: [1, KVH, count, D],
+// contiguous (ATen's kernel maps each query head to its KV head itself).
+inline at::Tensor gather_rows(const at::Tensor& cache, const int64_t* table, int64_t first, int64_t count) {
   const int64_t kv_heads = cache.size(1), bs = cache.size(2), d = cache.size(3);
-  at::Tensor out = at::empty({1, kv_heads * group, count, d}, cache.options());
+  at::Tensor out = at::empty({1, kv_heads, count, d}, cache.options());
   const auto* src = cache.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, kv_heads * group, 1, [&](int64_t h0, int64_t h1) {
+  at::parallel_for(0, kv_heads, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       c10::BFloat16* row = dst + h * count * d;
       for (int64_t pos = first; pos < first + count;) {
         const int64_t in_block = pos % bs, n = std::min(bs - in_block, first + count - pos);
-        std::memcpy(row, src + travelator::kv_row(table[pos / bs], h / group, in_block, kv_heads, bs) * d,
+        std::memcpy(row, src + travelator::kv_row(table[pos / bs], h, in_block, kv_heads, bs) * d,
                     n * d * sizeof(c10::BFloat16));
         row += n * d, pos += n;
       }
@@ -68,26 +70,27 @@ inline at::Tensor gather_rows(const at::Tensor& cache, const int64_t* table, int
 }
 
 // Request r's chunk: q rows [start, start + n) of q [T, H, D], at positions seq_len - n ..
-// seq_len - 1, into the same rows of out.
+// seq_len - 1, into the same rows of out. The chunk's own keys are one causal call; the keys
+// before it are taken kFlashKeySlice at a time (unmasked), so that the gathered copies stay
+// bounded on long contexts. Each call's output is normalised over its own keys and comes
+// with the log-sum-exp of its scaled scores; the parts are merged by those.
 inline void attend_chunk_flash(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                at::Tensor& out, int64_t start, int64_t n, int64_t seq_len, const int64_t* table,
                                double scale) {
-  const int64_t group = q.size(1) / k_cache.size(1), before = seq_len - n;
+  const int64_t before = seq_len - n;
   const at::Tensor qr = q.narrow(0, start, n).transpose(0, 1).unsqueeze(0).contiguous();  // [1, H, n, D]
-  auto own = at::_scaled_dot_product_flash_attention_for_cpu(
-      qr, gather_rows(k_cache, table, before, n, group), gather_rows(v_cache, table, before, n, group), 0.0,
-      /*is_causal=*/true, std::nullopt, scale);
-  at::Tensor result = std::get<0>(own);
-  if (before > 0) {
-    auto earlier = at::_scaled_dot_product_flash_attention_for_cpu(
-        qr, gather_rows(k_cache, table, 0, before, group), gather_rows(v_cache, table, 0, before, group), 0.0,
-        /*is_causal=*/false, std::nullopt, scale);
-    // Each part is normalised over its own keys; lse is log sum exp of its scaled scores.
-    const at::Tensor lse_own = std::get<1>(own), lse_earlier = std::get<1>(earlier);
-    const at::Tensor top = at::maximum(lse_own, lse_earlier);
-    const at::Tensor w_own = at::exp(lse_own - top).unsqueeze(-1), w_earlier = at::exp(lse_earlier - top).unsqueeze(-1);
-    result = (std::get<0>(own).to(at::kFloat) * w_own + std::get<0>(earlier).to(at::kFloat) * w_earlier) /
-             (w_own + w_earlier);
+  auto attend = [&](int64_t first, int64_t count, bool causal) {
+    return at::_scaled_dot_product_flash_attention_for_cpu(qr, gather_rows(k_cache, table, first, count),
+                                                           gather_rows(v_cache, table, first, count), 0.0, causal,
+                                                           std::nullopt, scale);
+  };
+  auto [result, lse] = attend(before, n, /*causal=*/true);
+  for (int64_t first = 0; first < before; first += kFlashKeySlice) {
+    auto [part, part_lse] = attend(first, std::min(kFlashKeySlice, before - first), /*causal=*/false);
+    const at::Tensor top = at::maximum(lse, part_lse);
+    const at::Tensor w = at::exp(lse - top).unsqueeze(-1), w_part = at::exp(part_lse - top).unsqueeze(-1);
+    result = (result.to(at::kFloat) * w + part.to(at::kFloat) * w_part) / (w + w_part);
+    lse = top + at::log(w + w_part).squeeze(-1);
   }
   out.narrow(0, start, n).copy_(result.squeeze(0).transpose(0, 1));
 }

@@ -89,7 +89,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   };
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) { return cost(a) > cost(b); });
   // Without `tiled`, one kernel for every row of the call: the choice depends on the shapes
-  // only. With it, items of many rows take the tiled kernel.
+  // only. With it, items of many rows take the tiled kernel (and long chunks, above, ATen's).
   (void)tiled;  // unused where the tiled kernel is not built
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
@@ -160,8 +160,9 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // or with a sliding window (window > 0) keys max(0, p - window + 1) .. p. Keys before the
 // first one a request's first query sees are never read: the table entries of blocks
 // wholly before it may name any block.
-// tiled: prefill tiles may take the faster tiled kernel (bf16), whose numbers depend on
-// the tile; without it every row's numbers are independent of the rest of the call.
+// tiled: prefill tiles may take the faster tiled kernel (bf16), and long prefill chunks
+// ATen's flash attention (bf16, on AMX CPUs), whose numbers depend on the tile or the chunk;
+// without it every row's numbers are independent of the rest of the call.
 // sinks [H] (gpt-oss): per query head a logit in every row's softmax with no value.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
@@ -203,4 +204,6 @@ TORCH_LIBRARY(travelator, m) {
         "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False, int window=0, "
         "Tensor? sinks=None) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  // Whether long bf16 prefill chunks take ATen's flash attention here (attention_flash.h).
+  m.def("attention_flash_route() -> bool", &travelator::attention::flash_route_available);
 }
