@@ -77,7 +77,7 @@ CASES: dict[str, Callable[[], object]] = {
     "quant_dequantize_int4": lambda: ops.quant_dequantize_int4(_packed(16), torch.zeros(1, 1, 2, TILE), 0,
                                                                torch.zeros(128, TILE)),  # group 0
 }
-NO_INPUTS = {"small_m_linear_rows", "blocked_linear_amx_k_multiple"}
+NO_INPUTS = {"small_m_linear_rows", "blocked_linear_amx_k_multiple", "attention_flash_route"}
 
 
 def registered() -> set[str]:
