@@ -30,6 +30,7 @@ from torch.utils.cpp_extension import load
 from bench_timing import median_seconds
 
 from travelator import kernels
+from travelator.kernels import _CFLAGS, _LDFLAGS
 from travelator.model import kv_layout
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
@@ -43,7 +44,7 @@ CSRC = "travelator/kernels/csrc/"
 
 def kernel_at(revision: str) -> Callable[..., torch.Tensor]:
     """paged_attention as `revision` builds it: its kernel sources written out, the op renamed,
-    built as a second extension (-fopenmp, as the package builds it: else one thread)."""
+    built as a second extension with the package's own compiler flags."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True).stdout
 
@@ -53,8 +54,8 @@ def kernel_at(revision: str) -> Callable[..., torch.Tensor]:
         (out / Path(name).name).write_text(git("show", f"{revision}:{name}"))
     source = out / "paged_attention.cpp"
     source.write_text(source.read_text().replace("TORCH_LIBRARY(travelator,", f"TORCH_LIBRARY(at_{tag},"))
-    load(f"paged_attention_at_{tag}", [str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], extra_include_paths=[str(out)], is_python_module=False)
+    load(f"paged_attention_at_{tag}", [str(source)], extra_cflags=list(_CFLAGS),
+         extra_ldflags=list(_LDFLAGS), extra_include_paths=[str(out)], is_python_module=False)
     return getattr(torch.ops, f"at_{tag}").paged_attention
 
 

@@ -39,6 +39,17 @@ def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, he
     torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)
 
 
+def requests_with_blocks(rng, shapes, block_size):
+    """(context, query rows, block table) for each (context, rows), blocks at random places."""
+    need = [-(-(context + n) // block_size) for context, n in shapes]
+    blocks = rng.sample(range(sum(need)), sum(need))
+    reqs = []
+    for (context, n), k in zip(shapes, need):
+        reqs.append((context, n, blocks[:k]))
+        blocks = blocks[k:]
+    return reqs, sum(need)
+
+
 @pytest.mark.parametrize("dtype,kv_dtype,tol", [
     (torch.float32, torch.float32, 1e-5),
     (torch.bfloat16, torch.bfloat16, 2e-2),
@@ -47,15 +58,10 @@ def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, he
 @pytest.mark.parametrize("tiled", [False, True])
 def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, tiled):
     """Contexts past the kernel's key chunk (256 positions), decodes and prefill chunks."""
-    bs, num_blocks = 16, 400
-    rng = random.Random(d)
+    bs = 16
+    shapes = [(255, 1), (256, 1), (700, 1), (511, 1), (240, 40), (600, 33), (0, 150), (65, 70)]
+    reqs, num_blocks = requests_with_blocks(random.Random(d), shapes, bs)
     k_cache, v_cache = make_cache(num_blocks, bs, kvh, d, kv_dtype, seed=d + 1)
-    blocks = rng.sample(range(num_blocks), num_blocks)
-    reqs = []
-    for context, n in [(255, 1), (256, 1), (700, 1), (511, 1), (240, 40), (600, 33), (0, 150), (65, 70)]:
-        need = -(-(context + n) // bs)
-        reqs.append((context, n, blocks[:need]))
-        blocks = blocks[need:]
     total = sum(n for _, n, _ in reqs)
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(3)).to(dtype)
     ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
@@ -68,17 +74,6 @@ def attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled):
     wide = torch.zeros(q.shape[0], heads + 3, d, dtype=q.dtype)
     wide[:, :heads] = q
     return attend("native", wide[:, :heads], k_cache, v_cache, reqs, heads, kvh, d, tiled)
-
-
-def requests_with_blocks(rng, shapes, block_size):
-    """(context, query rows, block table) for each (context, rows), blocks at random places."""
-    need = [-(-(context + n) // block_size) for context, n in shapes]
-    blocks = rng.sample(range(sum(need)), sum(need))
-    reqs = []
-    for (context, n), k in zip(shapes, need):
-        reqs.append((context, n, blocks[:k]))
-        blocks = blocks[k:]
-    return reqs, sum(need)
 
 
 @pytest.mark.parametrize("heads,kvh,d,block_size", [(8, 4, 64, 16), (4, 1, 128, 16), (2, 2, 32, 4), (4, 2, 20, 16),

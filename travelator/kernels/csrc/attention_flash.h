@@ -14,7 +14,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/Utils.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/exp.h>
@@ -26,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_permission.h"
 #include "kv_layout.h"
 
 namespace travelator::attention {
@@ -37,16 +37,9 @@ constexpr int64_t kFlashMinQueries = 160;
 // Keys before a chunk taken per call: bounds the gathered copies of a long context.
 constexpr int64_t kFlashKeySlice = 8192;
 
-// Whether this build and CPU take the flash route at all: AMX's tiles, and the process
-// granted their state by the OS (oneDNN's AMX kernels need it).
-inline bool flash_route_available() {
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  static const bool granted = at::cpu::init_amx();
-  return granted;
-#else
-  return false;
-#endif
-}
+// Whether this build and CPU take the flash route at all: AMX's tiles, which oneDNN's AMX
+// kernels need the process granted.
+inline bool flash_route_available() { return travelator::amx_tiles_permitted(); }
 
 // Positions [first, first + count) of one request's K or V cache rows: [1, KVH, count, D],
 // contiguous (ATen's kernel maps each query head to its KV head itself).

@@ -37,12 +37,10 @@
 #include <optional>
 #include <vector>
 
+#include "amx_permission.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -168,13 +166,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-// Linux lends a process the tiles' state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); asked once, the answer kept.
-inline bool permitted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 
 // Tiles 0-3: the sums of rows a (0, 1) and b (2, 3) by columns c (0, 2) and d (1, 3);
 // 4, 5: rows a and b of x; 6, 7: the weights of columns c and d. rows_b 0: no rows b.
@@ -310,7 +301,7 @@ void multiply(const c10::BFloat16* x, int64_t M, int64_t K2, const c10::BFloat16
 // blocked_linear only the weights it takes, on CPUs with AMX.
 int64_t blocked_linear_amx_k_multiple() {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  return amx::permitted() ? 2 * amx::kPairs : 0;
+  return travelator::amx_tiles_permitted() ? 2 * amx::kPairs : 0;
 #else
   return 0;
 #endif
@@ -338,7 +329,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const std::o
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (K2 % amx::kPairs == 0 && amx::permitted()) {
+  if (K2 % amx::kPairs == 0 && travelator::amx_tiles_permitted()) {
     TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(yp) % 64 == 0, "blocked_linear: y is not 64-byte aligned");
     amx::multiply(xp, M, K2, wp, N, b, yp);
     return y;
