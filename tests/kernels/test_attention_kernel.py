@@ -79,13 +79,15 @@ def attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled):
 @pytest.mark.parametrize("heads,kvh,d,block_size", [(8, 4, 64, 16), (4, 1, 128, 16), (2, 2, 32, 4), (4, 2, 20, 16),
                                                     (2, 1, 256, 8)])
 def test_long_prefill_chunks_match_the_reference(heads, kvh, d, block_size):
-    """Prompt chunks long enough for the tiled route's flash attention on AMX CPUs
-    (attention_flash.h; elsewhere the vector kernels take them): whole prompts, later chunks of
-    a prompt (the keys before the chunk attended apart and merged by log-sum-exp), chunks at and
-    one row below the route's threshold, beside decodes, q's rows strided, against the float64
-    reference; head_dims the vector kernels have no special path for among them."""
+    """Prompt chunks on the tiled route's kernels on AMX CPUs (elsewhere the vector kernels take
+    them): the tiled kernel's products on the tiles (attention_tiles_amx.h) for whole prompts and
+    later chunks, and ATen's flash attention (attention_flash.h) for chunks of many rows over many
+    keys (the keys before the chunk attended apart and merged by log-sum-exp), chunks at and one
+    row or one key below the flash route's thresholds, beside decodes, q's rows strided, against
+    the float64 reference; head_dims the vector kernels have no special path for among them."""
     rng = random.Random(block_size * 10 + d)
-    shapes = [(37, 1), (500, 1), (0, 300), (200, 256), (1000, 170), (0, 159), (3, 161), (40, 160)]
+    shapes = [(37, 1), (500, 1), (0, 300), (200, 256), (1000, 170), (0, 159), (3, 161), (40, 160),
+              (1400, 170), (1376, 160), (1375, 160), (1377, 159)]
     reqs, num_blocks = requests_with_blocks(rng, shapes, block_size)
     k_cache, v_cache = make_cache(num_blocks, block_size, kvh, d, torch.bfloat16, seed=d + 5)
     total = sum(n for _, n, _ in reqs)
@@ -108,11 +110,24 @@ def test_a_chunk_after_a_long_context_matches_the_reference():
 
 
 def test_the_flash_route_is_built_where_the_cpu_has_amx():
-    """The route above exists on every CPU with AMX's bf16 tiles (else those tests pass
-    through the vector kernels without it)."""
+    """The routes above (ATen's flash attention, the tiled kernel's products on the tiles) exist
+    on every CPU with AMX's bf16 tiles (else those tests pass through the vector kernels)."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     assert torch.ops.travelator.attention_flash_route() == ("amx_bf16" in flags and "amx_tile" in flags)
+
+
+def test_metadata_that_does_not_fit_is_refused():
+    """A request with fewer keys than queries, more keys than its table holds, or query starts
+    that do not span q: an error, not a read past the cache."""
+    heads, kvh, d, bs = 2, 1, 32, 16
+    k_cache, v_cache = make_cache(8, bs, kvh, d, torch.bfloat16, seed=1)
+    q = torch.randn(20, heads, d).to(torch.bfloat16)
+    table = torch.arange(4).view(1, 4)
+    for starts, lens in [([0, 20], [19]), ([0, 20], [65]), ([0, 19], [20]), ([1, 20], [20])]:
+        with pytest.raises(RuntimeError, match="paged_attention"):
+            torch.ops.travelator.paged_attention(q, k_cache, v_cache, torch.tensor(starts), torch.tensor(lens),
+                                                 table, d**-0.5, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "attention_common.h"
+#include "attention_tiles_amx.h"
 #include "kv_layout.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -25,6 +26,7 @@ namespace travelator::attention {
 // that Q.K and P.V are small matrix products on vdpbf16ps with no horizontal sums, and
 // the online softmax runs down the lanes. P is rounded to bf16 for P.V (FlashAttention
 // does the same); the row sums l keep float P. Keys are taken kTiledKeys at a time.
+// kTiles: the two products on AMX's tiles (attention_tiles_amx.h), the softmax as here.
 constexpr int64_t kTiledKeys = 64;
 constexpr int64_t kTiledMinRows = 16;  // below this the row-wise kernel is as fast
 
@@ -55,7 +57,7 @@ inline void pv_pairs_any(int64_t rows, float* acc, int64_t acc_stride, const uin
   pv_pairs<kChunks, R>(acc, acc_stride, pp, pp_stride, vi, n_pairs);
 }
 
-template <int64_t kChunks>
+template <int64_t kChunks, bool kTiles = false>
 void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFloat16* k_cache,
                        const c10::BFloat16* v_cache, c10::BFloat16* out, const int64_t* query_start,
                        const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
@@ -78,6 +80,13 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   std::vector<__m512> m(nrb), l(nrb);
   std::vector<__m512i> row_pos(nrb), row_first(nrb);  // per lane: its position, its first key
   std::vector<int64_t> key_offset(kTiledKeys);
+  // With kTiles: the chunk's keys gathered whole (the tile of keys reads 16 rows at a
+  // stride), and a row block's P row-major, as the tile of P reads it.
+  std::vector<c10::BFloat16> keys(kTiles ? kTiledKeys * D : 0);
+  std::vector<uint32_t> p_rows(kTiles ? nrb * kTiledKeys / 2 * 16 : 0);
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if constexpr (kTiles) amx::configure();
+#endif
   alignas(64) float alpha_lanes[16];
   // (a0, b0, a1, b1, ...): the bf16 of two vectors interleaved, as pairs, low then high half.
   alignas(64) int16_t lo_idx[32], hi_idx[32], pair_idx[32];
@@ -91,11 +100,16 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   for (int64_t h = w.first_head; h < w.end_head; ++h) {
     // Q transposed: lane i of qt[rb][p] is dims (2p, 2p+1) of row rb * 16 + i; padded rows
     // repeat the last one (computed, never written).
-    for (int64_t r = 0; r < rpad; ++r) {
-      const int64_t rr = std::min(r, rows - 1);
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(
-          q + (token0 + rr / group) * q_stride + (h * group + rr % group) * D);
-      for (int64_t p = 0; p < kPairs; ++p) qt[((r / 16) * kPairs + p) * 16 + r % 16] = src[p];
+    const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q + token0 * q_stride + h * group * D);
+    for (int64_t rb = 0; rb < nrb; ++rb) {
+      alignas(64) int32_t row_at[16];  // each lane's row, in pairs from q_pairs
+      for (int i = 0; i < 16; ++i) {
+        const int64_t rr = std::min(rb * 16 + i, rows - 1);
+        row_at[i] = static_cast<int32_t>(((rr / group) * q_stride + (rr % group) * D) / 2);
+      }
+      const __m512i at = _mm512_load_si512(row_at);
+      for (int64_t p = 0; p < kPairs; ++p)
+        _mm512_storeu_si512(&qt[(rb * kPairs + p) * 16], _mm512_i32gather_epi32(at, q_pairs + p, 4));
     }
     for (int64_t rb = 0; rb < nrb; ++rb) {
       alignas(64) int32_t pos[16], first[16];
@@ -113,28 +127,52 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
     // Chunks of kTiledKeys absolute positions from the one that holds key_begin.
     for (int64_t chunk0 = key_begin / kTiledKeys * kTiledKeys; chunk0 < n_keys; chunk0 += kTiledKeys) {
       const int64_t nk = std::min(kTiledKeys, n_keys - chunk0);
-      const int64_t nk8 = (nk + 7) / 8 * 8, n_pairs = (nk + 1) / 2;
+      const int64_t nk8 = (nk + (kTiles ? 15 : 7)) / (kTiles ? 16 : 8) * (kTiles ? 16 : 8), n_pairs = (nk + 1) / 2;
+      const int64_t pairs_padded = kTiles ? (n_pairs + 15) / 16 * 16 : n_pairs;
       // Keys past nk repeat the last one, keys before key_begin the first one (in bounds and
       // in the window; masked below).
       for (int64_t j = 0; j < nk8; ++j) {
         const int64_t pos = std::max(key_begin, chunk0 + std::min(j, nk - 1));
         key_offset[j] = travelator::kv_row(table[pos / bs], h, pos % bs, num_kv_heads, bs) * D;
       }
-      // (1) scores, 8 keys x 16 rows at a time: s[j][row].
-      for (int64_t rb = 0; rb < nrb; ++rb) {
-        const uint32_t* qrb = &qt[rb * kPairs * 16];
-        for (int64_t j0 = 0; j0 < nk8; j0 += 8) {
-          const uint32_t* kr[8];
-          for (int u = 0; u < 8; ++u) kr[u] = reinterpret_cast<const uint32_t*>(k_cache + key_offset[j0 + u]);
-          __m512 a[8];
-          for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
-          for (int64_t p = 0; p < kPairs; ++p) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qrb + p * 16);
-            for (int u = 0; u < 8; ++u)
-              a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kr[u][p])));
+      // (1) scores, s[j][row]: on the tiles 16 keys x 16 rows at a time, else 8 x 16.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+      if constexpr (kTiles) {
+        // With blocks of a multiple of 16 positions a tile's 16 keys lie in one block, read
+        // in place; else they are gathered. Tiles wholly before key_begin are not read.
+        const c10::BFloat16* tile_keys[kTiledKeys / 16];
+        for (int64_t j0 = 0; j0 < nk8; j0 += 16) {
+          const int64_t pos = std::max(key_begin, chunk0 + j0);
+          if (bs % 16 == 0) {
+            tile_keys[j0 / 16] = pos < chunk0 + j0 + 16 ? k_cache + key_offset[j0] - (pos % 16) * D : nullptr;
+          } else {
+            for (int64_t j = j0; j < j0 + 16; ++j) std::memcpy(&keys[j * D], k_cache + key_offset[j], D * sizeof(c10::BFloat16));
+            tile_keys[j0 / 16] = &keys[j0 * D];
           }
-          for (int u = 0; u < 8; ++u)
-            if (j0 + u < nk) _mm512_storeu_ps(&s[(j0 + u) * rpad + rb * 16], _mm512_mul_ps(a[u], _mm512_set1_ps(scale)));
+        }
+        for (int64_t rb = 0; rb < nrb; ++rb) {
+          amx::scores<D>(tile_keys, nk8, &qt[rb * kPairs * 16], &s[rb * 16], rpad);
+          for (int64_t j = 0; j < nk; ++j)
+            _mm512_storeu_ps(&s[j * rpad + rb * 16], _mm512_mul_ps(_mm512_loadu_ps(&s[j * rpad + rb * 16]), _mm512_set1_ps(scale)));
+        }
+      }
+#endif
+      if constexpr (!kTiles) {
+        for (int64_t rb = 0; rb < nrb; ++rb) {
+          const uint32_t* qrb = &qt[rb * kPairs * 16];
+          for (int64_t j0 = 0; j0 < nk8; j0 += 8) {
+            const uint32_t* kr[8];
+            for (int u = 0; u < 8; ++u) kr[u] = reinterpret_cast<const uint32_t*>(k_cache + key_offset[j0 + u]);
+            __m512 a[8];
+            for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+            for (int64_t p = 0; p < kPairs; ++p) {
+              const __m512bh qv = (__m512bh)_mm512_loadu_si512(qrb + p * 16);
+              for (int u = 0; u < 8; ++u)
+                a[u] = _mm512_dpbf16_ps(a[u], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kr[u][p])));
+            }
+            for (int u = 0; u < 8; ++u)
+              if (j0 + u < nk) _mm512_storeu_ps(&s[(j0 + u) * rpad + rb * 16], _mm512_mul_ps(a[u], _mm512_set1_ps(scale)));
+          }
         }
       }
       // (2) online softmax down the lanes; p is exactly 0 where a row does not see a key.
@@ -179,7 +217,17 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
           for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al));
         }
       }
+      // P row-major for its tile, written well before the tile reads it (a tile's load waits
+      // for the stores before it to reach the cache).
+      if constexpr (kTiles) {
+        for (int64_t rb = 0; rb < nrb; ++rb)
+          for (int64_t ks = 0; ks < pairs_padded / 16; ++ks)
+            amx::transpose_pairs(&pp[ks * 16 * rpad + rb * 16], rpad, n_pairs - ks * 16,
+                                 &p_rows[(rb * kTiledKeys / 2 + 16 * ks) * 16]);
+      }
       // (3) V as key pairs: lane d of vi[jp][c] is (V[2jp][16c + d], V[2jp + 1][16c + d]).
+      for (int64_t jp = n_pairs; jp < pairs_padded; ++jp)  // pairs past the keys: P is 0 there
+        for (int64_t c = 0; c < kChunks; ++c) vi[jp * kChunks + c] = (__m512bh)_mm512_setzero_si512();
       for (int64_t jp = 0; jp < n_pairs; ++jp) {
         const c10::BFloat16* v0 = v_cache + key_offset[2 * jp];
         const c10::BFloat16* v1 = v_cache + key_offset[std::min(2 * jp + 1, nk8 - 1)];
@@ -189,10 +237,18 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
           vi[jp * kChunks + 2 * c2 + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi, b);
         }
       }
-      // (4) acc += P.V for the real rows, a few at a time.
-      for (int64_t r0 = 0; r0 < rows; r0 += 20 / kChunks) {
-        const int64_t nr = std::min<int64_t>(20 / kChunks, rows - r0);
-        pv_pairs_any<kChunks>(nr, &acc[r0 * D], D, &pp[r0], rpad, vi.data(), n_pairs);
+      // (4) acc += P.V: on the tiles 16 rows at a time, else for the real rows, a few at a time.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+      if constexpr (kTiles) {
+        for (int64_t rb = 0; rb < nrb; ++rb)
+          amx::add_pv<D>(&acc[rb * 16 * D], &p_rows[rb * kTiledKeys / 2 * 16], vi.data(), pairs_padded / 16);
+      }
+#endif
+      if constexpr (!kTiles) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 20 / kChunks) {
+          const int64_t nr = std::min<int64_t>(20 / kChunks, rows - r0);
+          pv_pairs_any<kChunks>(nr, &acc[r0 * D], D, &pp[r0], rpad, vi.data(), n_pairs);
+        }
       }
     }
     for (int64_t rb = 0; rb < nrb; ++rb) {
@@ -202,9 +258,14 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
     for (int64_t r = 0; r < rows; ++r) {
       c10::BFloat16* dst = out + ((token0 + r / group) * num_heads + h * group + r % group) * D;
       const float inv = 1.0f / softmax_denominator(lsum[r], msum[r], sinks, h * group + r % group);
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(acc[r * D + d] * inv);
+      for (int64_t c = 0; c < kChunks; ++c)
+        travelator::vec16::store(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(&acc[r * D + 16 * c]), _mm512_set1_ps(inv)),
+                                 travelator::vec16::lanes(16));
     }
   }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  if constexpr (kTiles) _tile_release();
+#endif
 }
 #endif
 

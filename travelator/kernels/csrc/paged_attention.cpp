@@ -1,8 +1,9 @@
 // Attention over the paged KV cache for one flat batch of any mix of decodes and
 // prefill chunks: one call per layer, keys and values read in place through each
 // request's block table (no gather into padded copies). Outside batch-invariant mode
-// (`tiled`), long prefill chunks on AMX CPUs go to ATen's flash attention instead, on a
-// gathered copy of their keys (attention_flash.h).
+// (`tiled`), prefill tiles take the tiled kernel (attention_tiled_bf16.h; its products on
+// AMX's tiles where there are), and long prefill chunks over long contexts on AMX CPUs
+// ATen's flash attention instead, on a gathered copy of their keys (attention_flash.h).
 //
 // Batch invariance by construction: every (query, head) row is reduced on its own,
 // over the keys in order of position, in chunks of a fixed number of positions (so the same
@@ -56,11 +57,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t* qs = query_start.data_ptr<int64_t>();
-  // Long prefill chunks go to ATen's flash attention (attention_flash.h), after the rest.
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // Long prefill chunks over long contexts go to ATen's flash attention (attention_flash.h),
+  // after the rest.
   std::vector<bool> flash(num_requests, false);
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (tiled && window == 0 && sinks == nullptr && flash_route_available())
-      for (int64_t r = 0; r < num_requests; ++r) flash[r] = qs[r + 1] - qs[r] >= kFlashMinQueries;
+      for (int64_t r = 0; r < num_requests; ++r)
+        flash[r] = qs[r + 1] - qs[r] >= kFlashMinQueries && lens[r] >= kFlashMinKeys;
   }
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
@@ -82,7 +86,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
   // Longest items first, handed out one at a time: causal tiles differ a lot in cost (the
   // keys of an item's first query, at most the window, times its queries).
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
   auto cost = [&](const WorkItem& w) {
     const int64_t pos = lens[w.request] - (qs[w.request + 1] - qs[w.request]) + w.first_query;
     return (pos + 1 - first_key(pos, window)) * w.num_queries;
@@ -100,6 +103,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t* table = block_tables.data_ptr<int64_t>();
+  const bool on_tiles = travelator::amx_tiles_permitted();  // the tiled kernel's products on AMX's tiles
+  (void)on_tiles;  // unused where the tiled kernel is not built
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
@@ -121,6 +126,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
               (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
             auto* tiled_fn = head_dim == 32 ? &attend_item_tiled<2>
                              : head_dim == 64 ? &attend_item_tiled<4> : &attend_item_tiled<8>;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+            if (on_tiles)
+              tiled_fn = head_dim == 32 ? &attend_item_tiled<2, true>
+                         : head_dim == 64 ? &attend_item_tiled<4, true> : &attend_item_tiled<8, true>;
+#endif
             tiled_fn(items[i], q_ptr, k_ptr, v_ptr, out_ptr, qs, lens, table,
                      block_tables.size(1), q.stride(0), num_heads, num_kv_heads, block_size,
                      static_cast<float>(scale), window, sinks);
@@ -187,6 +197,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_attention: index tensors must be contiguous int64");
   TORCH_CHECK(query_start.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
               "paged_attention: metadata sizes do not match");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[seq_lens.size(0)] == q.size(0), "paged_attention: query_start must span q's rows");
+  for (int64_t r = 0; r < seq_lens.size(0); ++r)
+    TORCH_CHECK(qs[r + 1] >= qs[r] && lens[r] >= qs[r + 1] - qs[r] && lens[r] <= block_tables.size(1) * k_cache.size(2),
+                "paged_attention: request ", r, " has ", qs[r + 1] - qs[r], " queries, ", lens[r],
+                " keys and a table of ", block_tables.size(1), " blocks");
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
