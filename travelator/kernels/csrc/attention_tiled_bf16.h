@@ -65,6 +65,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
                        float scale, int64_t window, const float* sinks) {
   constexpr int64_t D = 16 * kChunks, kPairs = D / 2;
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
+  const int64_t bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : -1;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
   const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
   const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
@@ -79,6 +80,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   std::vector<__m512bh> vi(kTiledKeys / 2 * kChunks);
   std::vector<__m512> m(nrb), l(nrb);
   std::vector<__m512i> row_pos(nrb), row_first(nrb);  // per lane: its position, its first key
+  std::vector<int64_t> rb_first_pos(nrb), rb_last_first(nrb);  // per block of rows: the least, the greatest
   std::vector<int64_t> key_offset(kTiledKeys);
   // With kTiles: the chunk's keys gathered whole (the tile of keys reads 16 rows at a
   // stride), and a row block's P row-major, as the tile of P reads it.
@@ -119,6 +121,8 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       }
       row_pos[rb] = _mm512_load_si512(pos);
       row_first[rb] = _mm512_load_si512(first);
+      rb_first_pos[rb] = *std::min_element(pos, pos + 16);
+      rb_last_first[rb] = *std::max_element(first, first + 16);
       m[rb] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       l[rb] = _mm512_setzero_ps();
     }
@@ -133,7 +137,8 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       // in the window; masked below).
       for (int64_t j = 0; j < nk8; ++j) {
         const int64_t pos = std::max(key_begin, chunk0 + std::min(j, nk - 1));
-        key_offset[j] = travelator::kv_row(table[pos / bs], h, pos % bs, num_kv_heads, bs) * D;
+        const int64_t block = bs_shift >= 0 ? pos >> bs_shift : pos / bs;  // a division costs more than the rest
+        key_offset[j] = travelator::kv_row(table[block], h, pos - block * bs, num_kv_heads, bs) * D;
       }
       // (1) scores, s[j][row]: on the tiles 16 keys x 16 rows at a time, else 8 x 16.
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -182,10 +187,14 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
         return _mm512_mask_cmpge_epi32_mask(_mm512_cmple_epi32_mask(k, row_pos[rb]), k, row_first[rb]);
       };
       for (int64_t rb = 0; rb < nrb; ++rb) {
+        // Where every row of the block sees every key of the chunk (all but the diagonal's
+        // chunks, without a window), no key is masked.
+        const bool whole = rb_last_first[rb] <= chunk0 && rb_first_pos[rb] >= chunk0 + nk - 1;
+        auto seen_by = [&](int64_t key) { return whole ? static_cast<__mmask16>(0xFFFF) : sees(key, rb); };
         const float neg_inf = -std::numeric_limits<float>::infinity();
         __m512 mx = _mm512_set1_ps(neg_inf);
         for (int64_t j = 0; j < nk; ++j)
-          mx = _mm512_mask_max_ps(mx, sees(chunk0 + j, rb), mx, _mm512_loadu_ps(&s[j * rpad + rb * 16]));
+          mx = _mm512_mask_max_ps(mx, seen_by(chunk0 + j), mx, _mm512_loadu_ps(&s[j * rpad + rb * 16]));
         const __m512 m_new = _mm512_max_ps(m[rb], mx);
         // Without a window every row sees key 0, so m_new is finite from the first chunk on.
         // Under one, a later row may see none of the tile's first chunk: its m stays -inf
@@ -197,7 +206,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
           __m512 p2[2];
           for (int u = 0; u < 2; ++u) {
             if (j + u < nk) {
-              p2[u] = _mm512_maskz_mov_ps(sees(chunk0 + j + u, rb),
+              p2[u] = _mm512_maskz_mov_ps(seen_by(chunk0 + j + u),
                                           travelator::vec16::exp(_mm512_sub_ps(_mm512_loadu_ps(&s[(j + u) * rpad + rb * 16]), m_new)));
             } else {
               p2[u] = _mm512_setzero_ps();
@@ -211,6 +220,8 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
         l[rb] = _mm512_fmadd_ps(l[rb], alpha, sum);
         m[rb] = m_new;
         _mm512_store_ps(alpha_lanes, alpha);
+        // alpha is 1 in every row once their largest scores have been seen.
+        if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
         for (int i = 0; i < 16; ++i) {
           float* a = &acc[(rb * 16 + i) * D];
           const __m512 al = _mm512_set1_ps(alpha_lanes[i]);
