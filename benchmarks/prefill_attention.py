@@ -3,9 +3,11 @@ row-wise kernel of batch-invariant mode, and against torch's SDPA on dense copie
 
 One layer's attention (16 heads over 8 KV heads, head_dim 64, blocks of 16 shuffled, bf16) for
 a step of prompt chunks: several whole prompts of one length, or one later chunk of a long
-prompt (its keys before the chunk already cached). The defaults' route (`tiled`) takes chunks
-of many rows to ATen's flash attention on AMX CPUs (travelator/kernels/csrc/attention_flash.h)
-and to the tiled vector kernel elsewhere; batch-invariant mode takes the row-wise kernel. SDPA
+prompt (its keys before the chunk already cached). The defaults' route (`tiled`) takes prompt
+tiles to the tiled kernel, whose products run on AMX's tiles where there are
+(travelator/kernels/csrc/attention_tiles_amx.h), and chunks of many rows over long contexts to
+ATen's flash attention on AMX CPUs (attention_flash.h); batch-invariant mode takes the row-wise
+kernel. SDPA
 runs on contiguous [prompts, heads, length, 64] copies (whole prompts only). With
 `--against REV`, the same route as another git revision's kernel has it (its
 paged_attention.cpp built beside this one's, the two called in the same process). Medians of 7
@@ -13,6 +15,7 @@ calls.
 
     python benchmarks/prefill_attention.py
     python benchmarks/prefill_attention.py --against 227c503   # the tiled kernel before flash
+    python benchmarks/prefill_attention.py --against 365f37d   # before the products on the tiles
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from travelator.model import kv_layout
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 # (prompts, query rows each, keys each: the rows are the last of those keys)
-SHAPES = [(16, 128, 128), (8, 256, 256), (4, 512, 512), (2, 1024, 1024), (1, 2048, 2048), (1, 2048, 4096)]
+SHAPES = [(32, 64, 64), (16, 128, 128), (14, 150, 150), (8, 256, 256), (4, 512, 512), (2, 1024, 1024), (1, 2048, 2048), (1, 2048, 4096)]
 
 
 ROOT = Path(__file__).resolve().parent.parent
