@@ -6,10 +6,9 @@ a step of prompt chunks: several whole prompts of one length, or one later chunk
 prompt (its keys before the chunk already cached). The defaults' route (`tiled`) takes prompt
 tiles to the tiled kernel, whose products run on AMX's tiles where there are
 (travelator/kernels/csrc/attention_tiles_amx.h), and chunks of many rows over long contexts to
-ATen's flash attention on AMX CPUs (attention_flash.h); batch-invariant mode takes the row-wise
-kernel. SDPA
-runs on contiguous [prompts, heads, length, 64] copies (whole prompts only). With
-`--against REV`, the same route as another git revision's kernel has it (its
+ATen's flash attention on AMX CPUs (attention_flash.h); batch-invariant mode takes the
+row-wise kernel. SDPA runs on contiguous [prompts, heads, length, 64] copies (whole prompts
+only). With `--against REV`, the same route as another git revision's kernel has it (its
 paged_attention.cpp built beside this one's, the two called in the same process). Medians of 7
 calls.
 

@@ -67,10 +67,15 @@ def random_requests(rng, num_blocks, block_size, n_decodes, n_prefills):
     return reqs
 
 
-def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False, window=None, sinks=None):
+def attend(backend, q, k_cache, v_cache, reqs, heads, kvh, d, tiled=False, window=None, sinks=None,
+           amx_tiles=True):
+    """amx_tiles=False: the native kernel's routes as on a CPU without AMX's tiles."""
     attn = PagedAttention(heads, kvh, d, window=window)
     meta = metadata(reqs, backend, k_cache.shape[2])
     meta.tiled_prefill = tiled
+    if not amx_tiles:
+        return torch.ops.travelator.paged_attention(q, k_cache, v_cache, meta.query_start, meta.seq_lens,
+                                                    meta.block_tables, attn.scale, tiled, window or 0, sinks, False)
     # The cache already holds every key: only read it (an empty write).
     k_new = torch.empty(0, kvh, d, dtype=q.dtype)
     return attn(q, k_new, k_new, k_cache, v_cache, meta, sinks)

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels 
     (torch.float16, torch.float16, 2e-3),
 ])
 @pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20)])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, heads, kvh, d, tiled):
+@pytest.mark.parametrize("tiled,amx_tiles", [(False, True), (True, True), (True, False)])
+def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, heads, kvh, d, tiled, amx_tiles):
     rng = random.Random(block_size * 100 + d)
     k_cache, v_cache = make_cache(200, block_size, kvh, d, kv_dtype, seed=d)
     reqs = random_requests(rng, 200, block_size, n_decodes=5, n_prefills=4)
@@ -33,7 +33,7 @@ def test_native_matches_reference_and_torch(dtype, kv_dtype, tol, block_size, he
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(1)).to(dtype)
     scale = d**-0.5
     ref = reference(q, k_cache, v_cache, reqs, scale)
-    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, amx_tiles=amx_tiles)
     fallback = attend("torch", q, k_cache, v_cache, reqs, heads, kvh, d)
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)
@@ -55,8 +55,8 @@ def requests_with_blocks(rng, shapes, block_size):
     (torch.bfloat16, torch.bfloat16, 2e-2),
 ])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (4, 1, 128), (2, 2, 32)])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, tiled):
+@pytest.mark.parametrize("tiled,amx_tiles", [(False, True), (True, True), (True, False)])
+def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, tiled, amx_tiles):
     """Contexts past the kernel's key chunk (256 positions), decodes and prefill chunks."""
     bs = 16
     shapes = [(255, 1), (256, 1), (700, 1), (511, 1), (240, 40), (600, 33), (0, 150), (65, 70)]
@@ -65,20 +65,21 @@ def test_long_contexts_match_the_reference(dtype, kv_dtype, tol, heads, kvh, d, 
     total = sum(n for _, n, _ in reqs)
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(3)).to(dtype)
     ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
-    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, amx_tiles=amx_tiles)
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
 
 
-def attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled):
+def attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled, amx_tiles=True):
     """attend() with q's rows strided, as the model's q (a slice of its QKV projection) is."""
     wide = torch.zeros(q.shape[0], heads + 3, d, dtype=q.dtype)
     wide[:, :heads] = q
-    return attend("native", wide[:, :heads], k_cache, v_cache, reqs, heads, kvh, d, tiled)
+    return attend("native", wide[:, :heads], k_cache, v_cache, reqs, heads, kvh, d, tiled, amx_tiles=amx_tiles)
 
 
 @pytest.mark.parametrize("heads,kvh,d,block_size", [(8, 4, 64, 16), (4, 1, 128, 16), (2, 2, 32, 4), (4, 2, 20, 16),
                                                     (2, 1, 256, 8)])
-def test_long_prefill_chunks_match_the_reference(heads, kvh, d, block_size):
+@pytest.mark.parametrize("amx_tiles", [True, False])
+def test_long_prefill_chunks_match_the_reference(heads, kvh, d, block_size, amx_tiles):
     """Prompt chunks on the tiled route's kernels on AMX CPUs (elsewhere the vector kernels take
     them): the tiled kernel's products on the tiles (attention_tiles_amx.h) for whole prompts and
     later chunks, and ATen's flash attention (attention_flash.h) for chunks of many rows over many
@@ -93,7 +94,7 @@ def test_long_prefill_chunks_match_the_reference(heads, kvh, d, block_size):
     total = sum(n for _, n, _ in reqs)
     q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     ref = reference(q, k_cache, v_cache, reqs, d**-0.5)
-    native = attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled=True)
+    native = attend_strided(q, k_cache, v_cache, reqs, heads, kvh, d, tiled=True, amx_tiles=amx_tiles)
     torch.testing.assert_close(native.double(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -225,6 +226,37 @@ def test_rows_do_not_depend_on_the_block_size(dtype, d, window):
     torch.testing.assert_close(outs[2][:70].double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("amx_tiles", [True, False])
+@pytest.mark.parametrize("d,window", [(64, None), (32, 21), (128, 40)])
+def test_tiled_rows_do_not_depend_on_the_block_size(amx_tiles, d, window):
+    """The tiled kernel (on AMX's tiles: keys read in place from blocks of a multiple of 16
+    positions, where a tile may start inside a block, gathered from others) over the same keys
+    in blocks of 4 to 48 positions, powers of two and not: the same rows, bit for bit, near the
+    reference. Every slot that holds no key is NaN, so that one read past a request's keys, or
+    one before its window, shows."""
+    heads, kvh = 6, 2
+    g = torch.Generator().manual_seed(d)
+    n_keys = 150
+    keys, vals = (torch.randn(n_keys, kvh, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(n_keys, heads, d, generator=g).to(torch.bfloat16)
+    outs = []
+    for bs in (4, 8, 12, 16, 24, 32, 48):
+        num_blocks = 2 * -(-n_keys // bs) + 3
+        table = random.Random(bs).sample(range(num_blocks), -(-n_keys // bs))
+        k_cache, v_cache = (torch.full((num_blocks, kvh, bs, d), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+        for p in range(n_keys):
+            k_cache[table[p // bs], :, p % bs] = keys[p]
+            v_cache[table[p // bs], :, p % bs] = vals[p]
+        # A whole prompt of 100 rows and a chunk of 50 after it.
+        reqs = [(0, 100, table), (100, 50, table)]
+        outs.append(attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, True, window, amx_tiles=amx_tiles))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    keys_cache, vals_cache = (t.view(n_keys, 1, kvh, d).transpose(1, 2).contiguous() for t in (keys, vals))
+    one_block_each = [(0, 100, list(range(100))), (100, 50, list(range(150)))]
+    ref = reference(q, keys_cache, vals_cache, one_block_each, d**-0.5, window)
+    torch.testing.assert_close(outs[0].double(), ref, atol=2e-2, rtol=2e-2)
+
+
 # ---- sliding windows ------------------------------------------------------------------------
 
 # A table entry no kernel may follow: far past any cache (a native read there faults, a torch
@@ -282,18 +314,19 @@ def torch_attend(q, k_cache, v_cache, k_ref, v_ref, reqs, heads, kvh, d, window)
     return _TorchAttention(attn, None)(q, k, v, k_cache, v_cache, metadata(reqs, "torch", bs))
 
 
-@pytest.mark.parametrize("dtype,kv_dtype,tol,tiled", [
-    (torch.float32, torch.float32, 1e-5, False),
-    (torch.bfloat16, torch.bfloat16, 2e-2, False),
-    (torch.bfloat16, torch.bfloat16, 2e-2, True),  # the tiled kernel: bf16 queries and cache only
-    (torch.float32, torch.bfloat16, 1e-5, False),
-    (torch.float16, torch.float16, 2e-3, False),
-    (torch.float32, torch.int8, 1e-5, False),
-    (torch.bfloat16, torch.int8, 2e-2, False),
+@pytest.mark.parametrize("dtype,kv_dtype,tol,tiled,amx_tiles", [
+    (torch.float32, torch.float32, 1e-5, False, True),
+    (torch.bfloat16, torch.bfloat16, 2e-2, False, True),
+    (torch.bfloat16, torch.bfloat16, 2e-2, True, True),  # the tiled kernel: bf16 queries and cache only
+    (torch.bfloat16, torch.bfloat16, 2e-2, True, False),  # ... its vector products where AMX's tiles are
+    (torch.float32, torch.bfloat16, 1e-5, False, True),
+    (torch.float16, torch.float16, 2e-3, False, True),
+    (torch.float32, torch.int8, 1e-5, False, True),
+    (torch.bfloat16, torch.int8, 2e-2, False, True),
 ])
 @pytest.mark.parametrize("block_size,heads,kvh,d", [(16, 8, 4, 64), (4, 6, 2, 32), (8, 4, 4, 20), (16, 4, 1, 128),
                                                   (16, 4, 1, 256)])  # 256: Gemma 3's heads
-def test_sliding_window_matches_reference_and_torch(dtype, kv_dtype, tol, tiled, block_size, heads, kvh, d):
+def test_sliding_window_matches_reference_and_torch(dtype, kv_dtype, tol, tiled, amx_tiles, block_size, heads, kvh, d):
     """Windows of 1 key, smaller than a block, one block, not a multiple of the block size
     nor of a key chunk, and longer than every context (then the same bits as no window),
     over decodes and prefill chunks on every path the shapes take (head_dim 20: the portable
@@ -307,21 +340,23 @@ def test_sliding_window_matches_reference_and_torch(dtype, kv_dtype, tol, tiled,
         total = sum(n for _, n, _ in reqs)
         q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(window)).to(dtype)
         ref = reference(q, k_ref, v_ref, readable(reqs, 0), scale, window)
-        native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, window)
+        native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, window, amx_tiles=amx_tiles)
         torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol, msg=lambda m: f"window {window}: {m}")
         fallback = torch_attend(q, k_cache, v_cache, k_ref, v_ref, reqs, heads, kvh, d, window)
         torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2,
                                    msg=lambda m: f"window {window}: {m}")
         if window == 1000:  # past every context: exactly full attention
-            full = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled)
+            full = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, amx_tiles=amx_tiles)
             assert torch.equal(native, full)
 
 
-@pytest.mark.parametrize("dtype,tol,tiled", [(torch.float32, 1e-5, False), (torch.bfloat16, 2e-2, False),
-                                             (torch.bfloat16, 2e-2, True)])
+@pytest.mark.parametrize("dtype,tol,tiled,amx_tiles", [(torch.float32, 1e-5, False, True),
+                                                       (torch.bfloat16, 2e-2, False, True),
+                                                       (torch.bfloat16, 2e-2, True, True),
+                                                       (torch.bfloat16, 2e-2, True, False)])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 4, 64), (6, 2, 32), (4, 4, 20), (4, 1, 128)])
 @pytest.mark.parametrize("window", [None, 9])
-def test_sinks_match_the_reference_on_every_path(dtype, tol, tiled, heads, kvh, d, window):
+def test_sinks_match_the_reference_on_every_path(dtype, tol, tiled, amx_tiles, heads, kvh, d, window):
     """gpt-oss's sinks (a logit per head with no value) on the portable, AVX2/AVX-512 and tiled
     kernels and on the torch fallback, over decodes, prefill chunks and a context past the key
     chunk; sinks both below and well above the scores (where they take most of the softmax)."""
@@ -332,7 +367,7 @@ def test_sinks_match_the_reference_on_every_path(dtype, tol, tiled, heads, kvh, 
     sinks = torch.linspace(-4.0, 6.0, heads).to(dtype)
     ref = reference(q, k_cache, v_cache, reqs, d**-0.5, window, sinks)
     assert not torch.allclose(ref, reference(q, k_cache, v_cache, reqs, d**-0.5, window), atol=0.05)
-    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, window, sinks)
+    native = attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, tiled, window, sinks, amx_tiles)
     fallback = attend("torch", q, k_cache, v_cache, reqs, heads, kvh, d, window=window, sinks=sinks)
     torch.testing.assert_close(native.double(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(fallback.double(), ref, atol=tol * 2, rtol=tol * 2)

@@ -1,6 +1,7 @@
-// Long prefill chunks over long contexts of paged_attention.cpp on ATen's flash attention for the CPU, whose
-// Q.K and P.V are GEMMs on oneDNN's AMX kernels, where the vector kernels here compute them
-// a vector at a time. Taken, like the tiled kernel, only where the caller lets a row's
+// Long prefill chunks of paged_attention.cpp on ATen's flash attention for the CPU, whose
+// Q.K and P.V are GEMMs on oneDNN's AMX kernels: over long contexts, where its blocking
+// amortises the softmax's bookkeeping better than the tiled kernel, and at any length for
+// head sizes the tiled kernel does not take. Taken, like the tiled kernel, only where the caller lets a row's
 // numbers depend on its chunk (not batch_invariant), with bf16 queries and cache, no sliding
 // window and no sinks, and only on CPUs with AMX (elsewhere it has not been measured against
 // the kernels here, see docs/design.md).
@@ -30,10 +31,11 @@
 
 namespace travelator::attention {
 
-// Query rows and keys from which a request's chunk takes the flash route: below them the
-// call's fixed costs (the gathered copies, one call a request, fewer blocks of work to share
-// between the threads) outweigh its faster products, and the tiled kernel's products on the
-// tiles (attention_tiles_amx.h) are faster (docs/benchmarks.md).
+// Query rows from which a request's chunk takes the flash route: below them the call's fixed
+// costs (the gathered copies, one call a request, fewer blocks of work to share between the
+// threads) outweigh its faster products. Keys from which it does so for the tiled kernel's
+// head sizes: below them the tiled kernel's products on the tiles (attention_tiles_amx.h)
+// are faster (docs/benchmarks.md).
 constexpr int64_t kFlashMinQueries = 160;
 constexpr int64_t kFlashMinKeys = 1536;
 // Keys before a chunk taken per call: bounds the gathered copies of a long context.

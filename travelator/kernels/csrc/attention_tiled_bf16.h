@@ -26,7 +26,7 @@ namespace travelator::attention {
 // that Q.K and P.V are small matrix products on vdpbf16ps with no horizontal sums, and
 // the online softmax runs down the lanes. P is rounded to bf16 for P.V (FlashAttention
 // does the same); the row sums l keep float P. Keys are taken kTiledKeys at a time.
-// kTiles: the two products on AMX's tiles (attention_tiles_amx.h), the softmax as here.
+// kAmx: the two products on AMX's tiles (attention_tiles_amx.h), the softmax as here.
 constexpr int64_t kTiledKeys = 64;
 constexpr int64_t kTiledMinRows = 16;  // below this the row-wise kernel is as fast
 
@@ -57,13 +57,17 @@ inline void pv_pairs_any(int64_t rows, float* acc, int64_t acc_stride, const uin
   pv_pairs<kChunks, R>(acc, acc_stride, pp, pp_stride, vi, n_pairs);
 }
 
-template <int64_t kChunks, bool kTiles = false>
+template <int64_t kChunks, bool kAmx = false>
 void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFloat16* k_cache,
                        const c10::BFloat16* v_cache, c10::BFloat16* out, const int64_t* query_start,
                        const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
                        int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                        float scale, int64_t window, const float* sinks) {
   constexpr int64_t D = 16 * kChunks, kPairs = D / 2;
+  constexpr int64_t kKeyStep = kAmx ? 16 : 8;  // keys a step of the scores takes
+#if !(defined(__AMX_BF16__) && defined(__AMX_TILE__))
+  static_assert(!kAmx, "the tiled kernel's products on AMX's tiles need a build for AMX");
+#endif
   const int64_t bs = block_size, group = num_heads / num_kv_heads;
   const int64_t bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : -1;
   const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
@@ -82,12 +86,13 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
   std::vector<__m512i> row_pos(nrb), row_first(nrb);  // per lane: its position, its first key
   std::vector<int64_t> rb_first_pos(nrb), rb_last_first(nrb);  // per block of rows: the least, the greatest
   std::vector<int64_t> key_offset(kTiledKeys);
-  // With kTiles: the chunk's keys gathered whole (the tile of keys reads 16 rows at a
-  // stride), and a row block's P row-major, as the tile of P reads it.
-  std::vector<c10::BFloat16> keys(kTiles ? kTiledKeys * D : 0);
-  std::vector<uint32_t> p_rows(kTiles ? nrb * kTiledKeys / 2 * 16 : 0);
+  // With kAmx: the chunk's keys gathered where a block does not hold a multiple of 16 of
+  // them (the tile of keys reads 16 rows at a stride), and a row block's P row-major, as the
+  // tile of P reads it.
+  std::vector<c10::BFloat16> keys(kAmx && bs % 16 != 0 ? kTiledKeys * D : 0);
+  std::vector<uint32_t> p_rows(kAmx ? nrb * kTiledKeys / 2 * 16 : 0);
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if constexpr (kTiles) amx::configure();
+  if constexpr (kAmx) amx::configure();
 #endif
   alignas(64) float alpha_lanes[16];
   // (a0, b0, a1, b1, ...): the bf16 of two vectors interleaved, as pairs, low then high half.
@@ -131,22 +136,23 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
     // Chunks of kTiledKeys absolute positions from the one that holds key_begin.
     for (int64_t chunk0 = key_begin / kTiledKeys * kTiledKeys; chunk0 < n_keys; chunk0 += kTiledKeys) {
       const int64_t nk = std::min(kTiledKeys, n_keys - chunk0);
-      const int64_t nk8 = (nk + (kTiles ? 15 : 7)) / (kTiles ? 16 : 8) * (kTiles ? 16 : 8), n_pairs = (nk + 1) / 2;
-      const int64_t pairs_padded = kTiles ? (n_pairs + 15) / 16 * 16 : n_pairs;
+      const int64_t nk_padded = (nk + kKeyStep - 1) / kKeyStep * kKeyStep, n_pairs = (nk + 1) / 2;
+      const int64_t pairs_padded = kAmx ? (n_pairs + 15) / 16 * 16 : n_pairs;
       // Keys past nk repeat the last one, keys before key_begin the first one (in bounds and
       // in the window; masked below).
-      for (int64_t j = 0; j < nk8; ++j) {
+      for (int64_t j = 0; j < nk_padded; ++j) {
         const int64_t pos = std::max(key_begin, chunk0 + std::min(j, nk - 1));
         const int64_t block = bs_shift >= 0 ? pos >> bs_shift : pos / bs;  // a division costs more than the rest
         key_offset[j] = travelator::kv_row(table[block], h, pos - block * bs, num_kv_heads, bs) * D;
       }
       // (1) scores, s[j][row]: on the tiles 16 keys x 16 rows at a time, else 8 x 16.
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-      if constexpr (kTiles) {
+      if constexpr (kAmx) {
         // With blocks of a multiple of 16 positions a tile's 16 keys lie in one block, read
-        // in place; else they are gathered. Tiles wholly before key_begin are not read.
+        // in place (tiles wholly before key_begin are not read: their blocks may be gone);
+        // else they are gathered (from key_begin on, as key_offset has them).
         const c10::BFloat16* tile_keys[kTiledKeys / 16];
-        for (int64_t j0 = 0; j0 < nk8; j0 += 16) {
+        for (int64_t j0 = 0; j0 < nk_padded; j0 += 16) {
           const int64_t pos = std::max(key_begin, chunk0 + j0);
           if (bs % 16 == 0) {
             tile_keys[j0 / 16] = pos < chunk0 + j0 + 16 ? k_cache + key_offset[j0] - (pos % 16) * D : nullptr;
@@ -156,16 +162,16 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
           }
         }
         for (int64_t rb = 0; rb < nrb; ++rb) {
-          amx::scores<D>(tile_keys, nk8, &qt[rb * kPairs * 16], &s[rb * 16], rpad);
+          amx::scores<D>(tile_keys, nk_padded, &qt[rb * kPairs * 16], &s[rb * 16], rpad);
           for (int64_t j = 0; j < nk; ++j)
             _mm512_storeu_ps(&s[j * rpad + rb * 16], _mm512_mul_ps(_mm512_loadu_ps(&s[j * rpad + rb * 16]), _mm512_set1_ps(scale)));
         }
       }
 #endif
-      if constexpr (!kTiles) {
+      if constexpr (!kAmx) {
         for (int64_t rb = 0; rb < nrb; ++rb) {
           const uint32_t* qrb = &qt[rb * kPairs * 16];
-          for (int64_t j0 = 0; j0 < nk8; j0 += 8) {
+          for (int64_t j0 = 0; j0 < nk_padded; j0 += 8) {
             const uint32_t* kr[8];
             for (int u = 0; u < 8; ++u) kr[u] = reinterpret_cast<const uint32_t*>(k_cache + key_offset[j0 + u]);
             __m512 a[8];
@@ -219,9 +225,9 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
         }
         l[rb] = _mm512_fmadd_ps(l[rb], alpha, sum);
         m[rb] = m_new;
-        _mm512_store_ps(alpha_lanes, alpha);
         // alpha is 1 in every row once their largest scores have been seen.
         if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
+        _mm512_store_ps(alpha_lanes, alpha);
         for (int i = 0; i < 16; ++i) {
           float* a = &acc[(rb * 16 + i) * D];
           const __m512 al = _mm512_set1_ps(alpha_lanes[i]);
@@ -230,18 +236,20 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       }
       // P row-major for its tile, written well before the tile reads it (a tile's load waits
       // for the stores before it to reach the cache).
-      if constexpr (kTiles) {
+      if constexpr (kAmx) {
         for (int64_t rb = 0; rb < nrb; ++rb)
           for (int64_t ks = 0; ks < pairs_padded / 16; ++ks)
             amx::transpose_pairs(&pp[ks * 16 * rpad + rb * 16], rpad, n_pairs - ks * 16,
                                  &p_rows[(rb * kTiledKeys / 2 + 16 * ks) * 16]);
       }
       // (3) V as key pairs: lane d of vi[jp][c] is (V[2jp][16c + d], V[2jp + 1][16c + d]).
-      for (int64_t jp = n_pairs; jp < pairs_padded; ++jp)  // pairs past the keys: P is 0 there
+      // Pairs past the keys, where P is 0: zero, so that no stale value (a NaN among them)
+      // meets that 0.
+      for (int64_t jp = n_pairs; jp < pairs_padded; ++jp)
         for (int64_t c = 0; c < kChunks; ++c) vi[jp * kChunks + c] = (__m512bh)_mm512_setzero_si512();
       for (int64_t jp = 0; jp < n_pairs; ++jp) {
         const c10::BFloat16* v0 = v_cache + key_offset[2 * jp];
-        const c10::BFloat16* v1 = v_cache + key_offset[std::min(2 * jp + 1, nk8 - 1)];
+        const c10::BFloat16* v1 = v_cache + key_offset[std::min(2 * jp + 1, nk_padded - 1)];
         for (int64_t c2 = 0; c2 < kChunks / 2; ++c2) {
           const __m512i a = _mm512_loadu_si512(v0 + 32 * c2), b = _mm512_loadu_si512(v1 + 32 * c2);
           vi[jp * kChunks + 2 * c2] = (__m512bh)_mm512_permutex2var_epi16(a, lo, b);
@@ -250,12 +258,12 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
       }
       // (4) acc += P.V: on the tiles 16 rows at a time, else for the real rows, a few at a time.
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-      if constexpr (kTiles) {
+      if constexpr (kAmx) {
         for (int64_t rb = 0; rb < nrb; ++rb)
           amx::add_pv<D>(&acc[rb * 16 * D], &p_rows[rb * kTiledKeys / 2 * 16], vi.data(), pairs_padded / 16);
       }
 #endif
-      if constexpr (!kTiles) {
+      if constexpr (!kAmx) {
         for (int64_t r0 = 0; r0 < rows; r0 += 20 / kChunks) {
           const int64_t nr = std::min<int64_t>(20 / kChunks, rows - r0);
           pv_pairs_any<kChunks>(nr, &acc[r0 * D], D, &pp[r0], rpad, vi.data(), n_pairs);
@@ -275,7 +283,7 @@ void attend_item_tiled(const WorkItem& w, const c10::BFloat16* q, const c10::BFl
     }
   }
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if constexpr (kTiles) _tile_release();
+  if constexpr (kAmx) _tile_release();
 #endif
 }
 #endif

@@ -62,7 +62,7 @@ T decoder_layers(T& x, const T& positions, const T& cos, const T& sin, const T& 
     k.rope.call(q, key, positions, cos, sin);  // in place, through the views
     T k_cache = k_caches[l], v_cache = v_caches[l];
     k.write_kv.call(k_cache, v_cache, slots, key, value);  // written before read, as in attention.py
-    const T attn = k.attention.call(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, tiled, windows[l], std::nullopt);
+    const T attn = k.attention.call(q, k_cache, v_cache, query_start, seq_lens, block_tables, scale, tiled, windows[l], std::nullopt, true);
     const T o = linear(k, linear_tensors, linear_ints, next + 1, attn.reshape({t, q_size}));
     const T normed2 = k.add_rms_norm.call(x, o, norms[2 * l + 1], eps);
     if (experts[l] > 0) {  // as moe.SparseMoE.forward

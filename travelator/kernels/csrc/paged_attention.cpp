@@ -52,19 +52,24 @@ using namespace travelator::attention;
 template <typename scalar_t, typename cache_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-         const at::Tensor& block_tables, double scale, bool tiled, int64_t window, const float* sinks) {
+         const at::Tensor& block_tables, double scale, bool tiled, int64_t window, const float* sinks,
+         bool amx_tiles) {
   const int64_t num_requests = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t* qs = query_start.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  // Long prefill chunks over long contexts go to ATen's flash attention (attention_flash.h),
-  // after the rest.
+  // The tiled kernel's products on AMX's tiles, where the tiled kernel takes this head size.
+  const bool on_tiles = amx_tiles && travelator::amx_tiles_permitted();
+  const bool tiled_head = head_dim == 32 || head_dim == 64 || head_dim == 128;
+  (void)on_tiles, (void)tiled_head;  // unused where neither route is built
+  // Long prefill chunks go to ATen's flash attention (attention_flash.h), after the rest: those
+  // over long contexts, or any where the tiled kernel does not take the head size.
   std::vector<bool> flash(num_requests, false);
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
-    if (tiled && window == 0 && sinks == nullptr && flash_route_available())
+    if (tiled && on_tiles && window == 0 && sinks == nullptr)
       for (int64_t r = 0; r < num_requests; ++r)
-        flash[r] = qs[r + 1] - qs[r] >= kFlashMinQueries && lens[r] >= kFlashMinKeys;
+        flash[r] = qs[r + 1] - qs[r] >= kFlashMinQueries && (!tiled_head || lens[r] >= kFlashMinKeys);
   }
   std::vector<WorkItem> items;
   for (int64_t r = 0; r < num_requests; ++r) {
@@ -103,8 +108,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t* table = block_tables.data_ptr<int64_t>();
-  const bool on_tiles = travelator::amx_tiles_permitted();  // the tiled kernel's products on AMX's tiles
-  (void)on_tiles;  // unused where the tiled kernel is not built
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
@@ -122,8 +125,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
-          if (tiled && items[i].num_queries * (num_heads / num_kv_heads) >= kTiledMinRows &&
-              (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+          if (tiled && items[i].num_queries * (num_heads / num_kv_heads) >= kTiledMinRows && tiled_head) {
             auto* tiled_fn = head_dim == 32 ? &attend_item_tiled<2>
                              : head_dim == 64 ? &attend_item_tiled<4> : &attend_item_tiled<8>;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -152,12 +154,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 template <typename scalar_t>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     at::Tensor& out, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                    const at::Tensor& block_tables, double scale, bool tiled, int64_t window, const float* sinks) {
+                    const at::Tensor& block_tables, double scale, bool tiled, int64_t window, const float* sinks,
+                    bool amx_tiles) {
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
-    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
-    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
-    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks);
+    case at::kFloat: return run<scalar_t, float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks, amx_tiles);
+    case at::kBFloat16: return run<scalar_t, c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks, amx_tiles);
+    case at::kHalf: return run<scalar_t, c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks, amx_tiles);
+    case at::kChar: return run<scalar_t, int8_t>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sinks, amx_tiles);
     default: TORCH_CHECK(false, "paged_attention: unsupported KV cache dtype ", k_cache.scalar_type());
   }
 }
@@ -174,10 +177,12 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 // ATen's flash attention (bf16, on AMX CPUs), whose numbers depend on the tile or the chunk;
 // without it every row's numbers are independent of the rest of the call.
 // sinks [H] (gpt-oss): per query head a logit in every row's softmax with no value.
+// amx_tiles: with `tiled`, the tiled kernel's products and long chunks may take AMX's tiles
+// where there are; false: the routes of a CPU without them (tests take both here).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& query_start, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, bool tiled, int64_t window,
-                           const std::optional<at::Tensor>& sinks) {
+                           const std::optional<at::Tensor>& sinks, bool amx_tiles) {
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: none)");
   at::Tensor sinks_f;  // float32, contiguous: read by every row
   if (sinks.has_value()) {
@@ -206,9 +211,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                 " keys and a table of ", block_tables.size(1), " blocks");
   at::Tensor out = at::empty(q.sizes(), q.options());
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
-    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
-    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr); break;
+    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr, amx_tiles); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr, amx_tiles); break;
+    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, out, query_start, seq_lens, block_tables, scale, tiled, window, sink_ptr, amx_tiles); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -219,7 +224,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 TORCH_LIBRARY(travelator, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start, "
         "Tensor seq_lens, Tensor block_tables, float scale, bool tiled=False, int window=0, "
-        "Tensor? sinks=None) -> Tensor");
+        "Tensor? sinks=None, bool amx_tiles=True) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   // Whether long bf16 prefill chunks take ATen's flash attention here (attention_flash.h).
   m.def("attention_flash_route() -> bool", &travelator::attention::flash_route_available);

@@ -51,7 +51,7 @@ struct Kernels {
   c10::TypedOperatorHandle<void(T&, T&, const T&, const T&, const T&)> write_kv =
       kernel<void(T&, T&, const T&, const T&, const T&)>("travelator::write_kv_");
   using Attention = T(const T&, const T&, const T&, const T&, const T&, const T&, double, bool, int64_t,
-                      const std::optional<T>&);
+                      const std::optional<T>&, bool);
   c10::TypedOperatorHandle<Attention> attention = kernel<Attention>("travelator::paged_attention");
   std::optional<c10::TypedOperatorHandle<SmallM>> small_m = kernel_if_built<SmallM>("travelator::small_m_linear");
   std::optional<c10::TypedOperatorHandle<Blocked>> blocked = kernel_if_built<Blocked>("travelator::blocked_linear");
