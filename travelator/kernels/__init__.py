@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _SOURCES = ("paged_attention.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv_write.cpp", "sampling.cpp",
             "small_m_linear.cpp", "blocked_linear.cpp", "quant_linear.cpp", "quant_dequantize.cpp",
             "quant_w8a8.cpp", "layer_stack.cpp", "moe_experts.cpp", "panel_linear.cpp")
-_HEADERS = ("amx_permission.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "attention_flash.h",
+_HEADERS = ("amx_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "attention_flash.h",
             "attention_portable.h", "attention_tiled_bf16.h", "attention_tiles_amx.h", "float_math.h", "kv_layout.h",
             "linear_route.h", "quant_common.h", "quant_tiles_avx2.h", "quant_tiles_avx512.h", "row_common.h", "small_m_tiles.h",
             "streaming_linear.h", "vec16.h", "vec8.h")

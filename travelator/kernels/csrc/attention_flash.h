@@ -1,10 +1,10 @@
 // Long prefill chunks of paged_attention.cpp on ATen's flash attention for the CPU, whose
 // Q.K and P.V are GEMMs on oneDNN's AMX kernels: over long contexts, where its blocking
 // amortises the softmax's bookkeeping better than the tiled kernel, and at any length for
-// head sizes the tiled kernel does not take. Taken, like the tiled kernel, only where the caller lets a row's
-// numbers depend on its chunk (not batch_invariant), with bf16 queries and cache, no sliding
-// window and no sinks, and only on CPUs with AMX (elsewhere it has not been measured against
-// the kernels here, see docs/design.md).
+// head sizes the tiled kernel does not take. Taken, like the tiled kernel, only where the
+// caller lets a row's numbers depend on its chunk (not batch_invariant), with bf16 queries
+// and cache, no sliding window and no sinks, and only on CPUs with AMX (elsewhere it has not
+// been measured against the kernels here, see docs/design.md).
 //
 // A request's keys and values are gathered from its blocks into contiguous copies. ATen's
 // causal mask aligns the first query with the first key, so a chunk with keys before it (a
@@ -26,7 +26,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "amx_permission.h"
+#include "amx_tiles.h"
 #include "kv_layout.h"
 
 namespace travelator::attention {

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "amx_tiles.h"
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -16,12 +18,7 @@ namespace travelator::attention::amx {
 
 // Tile 0: scores; 1: keys; 2: transposed queries; 3: sums of P V; 4: P; 5: values.
 inline void configure() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
+  travelator::AmxTileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
 }

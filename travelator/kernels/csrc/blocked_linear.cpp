@@ -37,7 +37,7 @@
 #include <optional>
 #include <vector>
 
-#include "amx_permission.h"
+#include "amx_tiles.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -159,18 +159,10 @@ constexpr int64_t kPairs = 16;  // pairs of k a tile holds
 constexpr int64_t kTileRows = 16;  // rows of x (or of sums) a tile holds
 constexpr int64_t kPairBytes = kCols * 2 * 2;  // one pair of k of a block: 64 columns' two bf16
 
-// The layout _tile_loadconfig reads (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the sums of rows a (0, 1) and b (2, 3) by columns c (0, 2) and d (1, 3);
 // 4, 5: rows a and b of x; 6, 7: the weights of columns c and d. rows_b 0: no rows b.
 inline void configure(int64_t rows_a, int64_t rows_b) {
-  TileConfig cfg;
+  travelator::AmxTileConfig cfg;
   const int64_t rows[8] = {rows_a, rows_a, rows_b, rows_b, rows_a, rows_b, kPairs, kPairs};
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = static_cast<uint8_t>(std::max<int64_t>(rows[t], 1));

@@ -1,6 +1,9 @@
-// Whether this process may use AMX's tiles: the one check blocked_linear.cpp's tile kernel
-// and attention_flash.h's route (oneDNN's AMX kernels) share.
+// What every user of AMX's tiles shares (blocked_linear.cpp's GEMM, attention_tiles_amx.h's
+// attention products, attention_flash.h's route to oneDNN's AMX kernels): whether this
+// process may use them, and the layout of the configuration that shapes them.
 #pragma once
+
+#include <cstdint>
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
@@ -19,5 +22,13 @@ inline bool amx_tiles_permitted() {
   return false;
 #endif
 }
+
+// The layout _tile_loadconfig reads (palette 1): tile t is rows[t] rows of colsb[t] bytes.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
 }  // namespace travelator
