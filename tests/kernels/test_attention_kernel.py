@@ -131,6 +131,15 @@ def test_metadata_that_does_not_fit_is_refused():
                                                  table, d**-0.5, True)
 
 
+def stored(rows, table, cache):
+    """cache ([blocks, kv heads, block_size, d]) with rows[p] ([kv heads, d]) at position p of
+    the blocks of table."""
+    positions = torch.arange(rows.shape[0])
+    bs = cache.shape[2]
+    cache[torch.tensor(table)[positions // bs], :, positions % bs] = rows
+    return cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prompt_len,chunks", [(53, (1, 5, 17)), (300, (7, 64))])
 def test_rows_do_not_depend_on_the_batch_or_the_chunking(dtype, prompt_len, chunks):
@@ -211,11 +220,8 @@ def test_rows_do_not_depend_on_the_block_size(dtype, d, window):
     for bs in (4, 8, 16):
         num_blocks = 40
         table = random.Random(bs).sample(range(num_blocks), -(-n_keys // bs))
-        k_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(dtype)  # stale numbers around
-        v_cache = torch.randn(num_blocks, kvh, bs, d, generator=g).to(dtype)
-        for p in range(n_keys):
-            k_cache[table[p // bs], :, p % bs] = keys[p]
-            v_cache[table[p // bs], :, p % bs] = vals[p]
+        k_cache = stored(keys, table, torch.randn(num_blocks, kvh, bs, d, generator=g).to(dtype))  # stale numbers around
+        v_cache = stored(vals, table, torch.randn(num_blocks, kvh, bs, d, generator=g).to(dtype))
         # A prompt of 70 queries at context 0 and a decode at 74 keys: every chunk boundary.
         prompt = attend("native", q[:70], k_cache, v_cache, [(0, 70, table)], heads, kvh, d, window=window)
         decode = attend("native", q[74:75], k_cache, v_cache, [(74, 1, table)], heads, kvh, d, window=window)
@@ -243,10 +249,8 @@ def test_tiled_rows_do_not_depend_on_the_block_size(amx_tiles, d, window):
     for bs in (4, 8, 12, 16, 24, 32, 48):
         num_blocks = 2 * -(-n_keys // bs) + 3
         table = random.Random(bs).sample(range(num_blocks), -(-n_keys // bs))
-        k_cache, v_cache = (torch.full((num_blocks, kvh, bs, d), float("nan"), dtype=torch.bfloat16) for _ in range(2))
-        for p in range(n_keys):
-            k_cache[table[p // bs], :, p % bs] = keys[p]
-            v_cache[table[p // bs], :, p % bs] = vals[p]
+        k_cache, v_cache = (stored(rows, table, torch.full((num_blocks, kvh, bs, d), float("nan"), dtype=torch.bfloat16))
+                            for rows in (keys, vals))
         # A whole prompt of 100 rows and a chunk of 50 after it.
         reqs = [(0, 100, table), (100, 50, table)]
         outs.append(attend("native", q, k_cache, v_cache, reqs, heads, kvh, d, True, window, amx_tiles=amx_tiles))
