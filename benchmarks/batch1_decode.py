@@ -21,6 +21,9 @@ read from DRAM.
 With ``--llama-server BIN`` llama.cpp's server decodes one request on a model of the same shape
 (../shared/peers/make_random_llama.py, bf16 GGUF; Q8_0 / Q4_0 copies for int8 / int4), and
 its own per-token time (``timings.predicted_per_token_ms``) is printed beside travelator's.
+travelator also decodes those very files at its defaults (a GGUF's Q8_0 / Q4_0 tensors stay
+int8 / int4), their steps taking turns, and the last line sets the best of each on the same
+files side by side: what a user who downloads one of them gets from either server.
 
 With ``--compare-model`` a second model decodes at the same settings, the two taking turns, and
 the last line gives the first's step against the second's: a mixture of experts against the
@@ -130,30 +133,51 @@ def main() -> None:
         print("batch-1 decode speed against " + base + ": "
               + ", ".join(f"{q} {steps[base] / t:.2f}x" for q, t in steps.items() if q != base))
     if args.llama_server:
-        llama = llama_server_per_token(args)
-        for q, ms in llama.items():
-            print(f"llama.cpp {GGUF_KIND[q] or 'bf16'}: {ms:.1f} ms per token; travelator {q}: "
-                  f"{steps[q] * 1e3:.1f} ms per step ({ms / (steps[q] * 1e3):.2f}x llama.cpp's speed)", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            files = peer_gguf_files(args, tmp)
+            on_files = measure_files(args, files)
+            llama = {q: llama_one_request(args, path) for q, path in files.items()}
+        compare_with_llama(steps, on_files, llama)
 
 
-def llama_server_per_token(args) -> dict[str, float]:
-    """llama.cpp's batch-1 decode, ms per token, on a random model of the preset's shape."""
+def peer_gguf_files(args, tmp: str) -> dict[str, str]:
+    """A random model of the preset's shape as a bf16 GGUF and, for each other quantization,
+    its Q8_0 / Q4_0 copy: {quantization: path}."""
     from travelator.model.gguf_requantize import requantize_gguf
 
     preset = args.model.split("-")[-1]  # dummy:llama-250m -> 250m
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, str(PEERS / "make_random_llama.py"), preset, f"{tmp}/hf"],
-                       check=True, capture_output=True)
-        subprocess.run([sys.executable, str(PEERS / "hf_to_gguf.py"), f"{tmp}/hf", f"{tmp}/bf16.gguf"],
-                       check=True, capture_output=True)
-        for q in args.quantization:
-            path = f"{tmp}/bf16.gguf"
-            if GGUF_KIND[q]:
-                path = f"{tmp}/{GGUF_KIND[q]}.gguf"
-                requantize_gguf(f"{tmp}/bf16.gguf", path, GGUF_KIND[q])
-            out[q] = llama_one_request(args, path)
-    return out
+    subprocess.run([sys.executable, str(PEERS / "make_random_llama.py"), preset, f"{tmp}/hf"],
+                   check=True, capture_output=True)
+    subprocess.run([sys.executable, str(PEERS / "hf_to_gguf.py"), f"{tmp}/hf", f"{tmp}/bf16.gguf"],
+                   check=True, capture_output=True)
+    files = {}
+    for q in args.quantization:
+        files[q] = f"{tmp}/{GGUF_KIND[q] or 'bf16'}.gguf"
+        if GGUF_KIND[q]:
+            requantize_gguf(f"{tmp}/bf16.gguf", files[q], GGUF_KIND[q])
+    return files
+
+
+def measure_files(args, files: dict[str, str]) -> dict[str, float]:
+    """travelator at its defaults on each GGUF file, loaded together, their steps taking turns."""
+    engines = [start_decoding(args, "auto", path) for path in files.values()]
+    steps = decode_steps(args, engines)
+    return {q: report(args, "auto", step, engine, Path(path).name)
+            for (q, path), step, engine in zip(files.items(), steps, engines)}
+
+
+def compare_with_llama(steps: dict[str, float], on_files: dict[str, float], llama: dict[str, float]) -> None:
+    """Per format, then the best of each on the same files (ms per token, ms per step)."""
+    for q, ms in llama.items():
+        kind = GGUF_KIND[q] or "BF16"
+        print(f"llama.cpp {kind}: {ms:.1f} ms per token; travelator {q}: {steps[q] * 1e3:.1f} ms per step "
+              f"({ms / (steps[q] * 1e3):.2f}x llama.cpp's speed); travelator at its defaults on the {kind} GGUF: "
+              f"{on_files[q] * 1e3:.1f} ms per step ({ms / (on_files[q] * 1e3):.2f}x)", flush=True)
+    ours, theirs = min(on_files, key=on_files.get), min(llama, key=llama.get)
+    print(f"best on the same files: travelator at its defaults {on_files[ours] * 1e3:.1f} ms per step "
+          f"({GGUF_KIND[ours] or 'BF16'} GGUF), llama.cpp {llama[theirs]:.1f} ms per token "
+          f"({GGUF_KIND[theirs] or 'BF16'} GGUF): {llama[theirs] / (on_files[ours] * 1e3):.2f}x llama.cpp's best",
+          flush=True)
 
 
 def llama_one_request(args, gguf: str, port: int = 18437) -> float:
@@ -207,7 +231,7 @@ def start_decoding(args, quantization: str, model: str | None = None):
     """An engine with one request, its prompt prefilled: each later step decodes one token."""
     llm = LLM(model or args.model, dtype=args.dtype, max_num_seqs=1, kernels=args.kernels,
               enable_prefix_caching=False, quantization=quantization,
-              lm_head_quantization="auto" if quantization == "none" else args.lm_head_quantization)
+              lm_head_quantization=args.lm_head_quantization if quantization in ("int8", "int4") else "auto")
     engine = llm.engine
     engine.add_request([1] + list(range(3, 18)),
                        SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True))
@@ -237,7 +261,7 @@ def report(args, quantization: str, step: float, engine, model: str | None = Non
     """Prints the step against the time to read the weights it streams; returns the step."""
     nbytes = weight_bytes_per_decode(engine.runner.model)
     stream = stream_seconds(nbytes, repeats=15)
-    head = f" lm_head={args.lm_head_quantization}" if quantization != "none" else ""
+    head = f" lm_head={args.lm_head_quantization}" if quantization in ("int8", "int4") else ""
     print(f"{model or args.model} {args.dtype} quantization={quantization}{head} kernels={args.kernels}, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}: batch-1 decode step "
           f"{step * 1e3:.1f} ms; reading the {nbytes / 1e6:.0f} MB of weights {stream * 1e3:.1f} ms "
