@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amx_expected import amx_routes_expected
 
 from travelator import kernels
 from travelator.model import kv_layout
@@ -264,11 +265,7 @@ def test_blocked_linear_over_several_tiles_of_rows(k, biased):
 def test_blocked_linear_takes_the_tiles_where_the_cpu_has_amx():
     """On a CPU with AMX the tiles are built and lent (else every bf16 layer there would fall
     back to the vdpbf16ps kernel or oneDNN without a word)."""
-    from pathlib import Path
-
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    amx = {"amx_bf16", "amx_tile"} <= set(flags.split())
-    assert (ops.blocked_linear_amx_k_multiple() == 32) is amx
+    assert (ops.blocked_linear_amx_k_multiple() == 32) is amx_routes_expected()
 
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")

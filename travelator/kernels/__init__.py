@@ -40,6 +40,14 @@ _CSRC = Path(__file__).parent / "csrc"
 # here); without the flag it compiles to a serial loop and every kernel runs on one thread.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
+# Another CPU kind's target (znver3: AVX2 only, say) instead of this CPU's, so that its kernel
+# paths run, and their tests with them, on a CPU that has their instructions.
+_MARCH_VARIABLE = "TRAVELATOR_KERNEL_MARCH"
+
+
+def _cflags() -> tuple[str, ...]:
+    march = os.environ.get(_MARCH_VARIABLE, "native")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in _CFLAGS)
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -71,7 +79,7 @@ def _build_key() -> str:
     h = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         h.update((_CSRC / name).read_bytes())
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    h.update(" ".join(_cflags() + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
     # What the generated build file names: the sources' own path (two checkouts of the same
     # sources would otherwise rebuild each other's entry), this torch's headers and this Python's.
@@ -122,7 +130,7 @@ def load() -> None:
             cpp_extension.load(
                 name=name,
                 sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_cflags=list(_CFLAGS),
+                extra_cflags=list(_cflags()),
                 extra_ldflags=list(_LDFLAGS),
                 build_directory=str(build_dir),
                 is_python_module=False,
