@@ -50,8 +50,8 @@ inline void dequantize_int8_lanes(const uint8_t* d, const float* scales, PutFn p
 // scales, their zeros kTileRows on; codes through the e2m1 levels where E2M1. put(j, w) for
 // inputs j = 0..7.
 template <bool E2M1, typename PutFn>
-inline void dequantize_int4_lanes(const uint8_t* d, const float* sz, PutFn put) {
-  const __m512 scale = _mm512_loadu_ps(sz), zero = _mm512_loadu_ps(sz + kTileRows);
+inline void dequantize_int4_lanes(const uint8_t* d, const uint16_t* sz, PutFn put) {
+  const __m512 scale = group_params16<E2M1>(sz), zero = group_params16<E2M1>(sz + kTileRows);
   // (q - 8) * scale + zero = q * scale + (zero - 8 * scale)
   const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
   const __m512i v = _mm512_loadu_si512(d);
@@ -90,8 +90,8 @@ inline __m256i e2m1_levels(__m256i q) {
 }
 
 template <bool E2M1, typename PutFn>
-inline void dequantize_int4_lanes(const uint8_t* d, const float* sz, PutFn put) {
-  const __m256 scale = _mm256_loadu_ps(sz), zero = _mm256_loadu_ps(sz + kTileRows);
+inline void dequantize_int4_lanes(const uint8_t* d, const uint16_t* sz, PutFn put) {
+  const __m256 scale = group_params8<E2M1>(sz), zero = group_params8<E2M1>(sz + kTileRows);
   const __m256 base = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d));
   for (int j = 0; j < 8; ++j) {
@@ -149,13 +149,14 @@ void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_ze
   const int64_t n_tiles = packed.size(0), octets = packed.size(1), K = octets * 8;
   TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "quant_dequantize_int4: bad group");
   const int64_t groups = K / group;
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
-              scales_zeros.numel() == n_tiles * groups * 2 * kTileRows, "quant_dequantize_int4: bad shape");
+  check_scales_zeros(scales_zeros, e2m1 ? Codebook::kE2M1 : Codebook::kUniform, "quant_dequantize_int4");
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.numel() == n_tiles * groups * 2 * kTileRows,
+              "quant_dequantize_int4: bad shape");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* sz = scales_zeros.data_ptr<float>();
+  const auto* sz = static_cast<const uint16_t*>(scales_zeros.data_ptr());
   dequantize_tiles(out, n_tiles, octets, 8, "quant_dequantize_int4", [&](int64_t t, int64_t ko, int r, auto put) {
     const uint8_t* d = w + (t * octets + ko) * 4 * kTileRows + r * kLanes * 4;
-    const float* rows_sz = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes;
+    const uint16_t* rows_sz = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes;
     if (e2m1)
       dequantize_int4_lanes<true>(d, rows_sz, put);
     else

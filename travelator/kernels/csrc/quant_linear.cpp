@@ -122,7 +122,7 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, cons
   });
 }
 
-// x [M, K] bf16; packed uint8 [N_padded / 64, K / 8, 4, 64]; scales_zeros float32
+// x [M, K] bf16; packed uint8 [N_padded / 64, K / 8, 4, 64]; scales_zeros 16-bit (quant_common.h)
 // [N_padded / 64, K / group, 2, 64]; codebook: quant_common.h's. Returns bf16 [M, N].
 at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_zeros,
                              int64_t group, int64_t N, int64_t codebook) {
@@ -133,11 +133,12 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
   TORCH_CHECK(group > 0 && group % 8 == 0, "quant_linear_int4: group must be a positive multiple of 8");
   TORCH_CHECK(packed.size(1) * 8 == K && K % group == 0, "quant_linear_int4: K does not match");
   TORCH_CHECK(N <= n_tiles * kTileRows && N > (n_tiles - 1) * kTileRows, "quant_linear_int4: N does not match");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kFloat && scales_zeros.is_contiguous() &&
-              scales_zeros.dim() == 4 && scales_zeros.size(0) == n_tiles && scales_zeros.size(1) == K / group &&
-              scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTileRows, "quant_linear_int4: bad scales_zeros");
+  check_scales_zeros(scales_zeros, e2m1 ? Codebook::kE2M1 : Codebook::kUniform, "quant_linear_int4");
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.dim() == 4 && scales_zeros.size(0) == n_tiles &&
+              scales_zeros.size(1) == K / group && scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTileRows,
+              "quant_linear_int4: bad scales_zeros");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* sz = scales_zeros.data_ptr<float>();
+  const auto* sz = static_cast<const uint16_t*>(scales_zeros.data_ptr());
   const int64_t tile_bytes = K / 2 * kTileRows, tile_sz = K / group * 2 * kTileRows;
   return with_float_type(x.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
