@@ -22,8 +22,9 @@ With ``--llama-server BIN`` llama.cpp's server decodes one request on a model of
 (../shared/peers/make_random_llama.py, bf16 GGUF; Q8_0 / Q4_0 copies for int8 / int4), and
 its own per-token time (``timings.predicted_per_token_ms``) is printed beside travelator's.
 travelator also decodes those very files at its defaults (a GGUF's Q8_0 / Q4_0 tensors stay
-int8 / int4), their steps taking turns, and the last line sets the best of each on the same
-files side by side: what a user who downloads one of them gets from either server.
+int8 / int4; ``--dtype`` and ``--kernels`` apply as given), their steps taking turns, and the
+last line sets the best of each on the same files side by side: what a user who downloads one
+of them gets from either server.
 
 With ``--compare-model`` a second model decodes at the same settings, the two taking turns, and
 the last line gives the first's step against the second's: a mixture of experts against the

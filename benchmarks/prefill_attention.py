@@ -32,7 +32,7 @@ from torch.utils.cpp_extension import load
 from bench_timing import median_seconds
 
 from travelator import kernels
-from travelator.kernels import _CFLAGS, _LDFLAGS
+from travelator.kernels import _LDFLAGS, _cflags
 from travelator.model import kv_layout
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
@@ -56,7 +56,7 @@ def kernel_at(revision: str) -> Callable[..., torch.Tensor]:
         (out / Path(name).name).write_text(git("show", f"{revision}:{name}"))
     source = out / "paged_attention.cpp"
     source.write_text(source.read_text().replace("TORCH_LIBRARY(travelator,", f"TORCH_LIBRARY(at_{tag},"))
-    load(f"paged_attention_at_{tag}", [str(source)], extra_cflags=list(_CFLAGS),
+    load(f"paged_attention_at_{tag}", [str(source)], extra_cflags=list(_cflags()),
          extra_ldflags=list(_LDFLAGS), extra_include_paths=[str(out)], is_python_module=False)
     return getattr(torch.ops, f"at_{tag}").paged_attention
 

@@ -111,9 +111,10 @@ def test_a_chunk_after_a_long_context_matches_the_reference():
     torch.testing.assert_close(native.double(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_the_flash_route_is_built_where_the_cpu_has_amx():
+def test_the_flash_route_is_built_where_the_build_and_cpu_have_amx():
     """The routes above (ATen's flash attention, the tiled kernel's products on the tiles) exist
-    on every CPU with AMX's bf16 tiles (else those tests pass through the vector kernels)."""
+    wherever the CPU and the build's target have AMX's bf16 tiles (else those tests pass
+    through the vector kernels)."""
     assert torch.ops.travelator.attention_flash_route() == amx_routes_expected()
 
 

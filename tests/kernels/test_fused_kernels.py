@@ -262,7 +262,7 @@ def test_blocked_linear_over_several_tiles_of_rows(k, biased):
 
 
 @pytest.mark.skipif(not hasattr(ops, "blocked_linear"), reason="built on AVX512-BF16 CPUs")
-def test_blocked_linear_takes_the_tiles_where_the_cpu_has_amx():
+def test_blocked_linear_takes_the_tiles_where_the_build_and_cpu_have_amx():
     """On a CPU with AMX the tiles are built and lent (else every bf16 layer there would fall
     back to the vdpbf16ps kernel or oneDNN without a word)."""
     assert (ops.blocked_linear_amx_k_multiple() == 32) is amx_routes_expected()

@@ -45,9 +45,12 @@ _LDFLAGS = ("-fopenmp",)
 _MARCH_VARIABLE = "TRAVELATOR_KERNEL_MARCH"
 
 
+def _march() -> str:
+    return os.environ.get(_MARCH_VARIABLE) or "native"
+
+
 def _cflags() -> tuple[str, ...]:
-    march = os.environ.get(_MARCH_VARIABLE, "native")
-    return tuple(f"-march={march}" if f == "-march=native" else f for f in _CFLAGS)
+    return tuple(f"-march={_march()}" if f == "-march=native" else f for f in _CFLAGS)
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -125,7 +128,8 @@ def load() -> None:
         build_dir.mkdir(parents=True, exist_ok=True)
         with _building(build_dir):
             if not (build_dir / f"{name}.so").exists():
-                print(f"travelator: building the native kernels for this CPU ({_cpu_name()}): about a minute, "
+                target = "this CPU" if _march() == "native" else f"-march={_march()} (${_MARCH_VARIABLE}) on this CPU"
+                print(f"travelator: building the native kernels for {target} ({_cpu_name()}): about a minute, "
                       f"once (cached in {build_dir})", file=sys.stderr, flush=True)
             cpp_extension.load(
                 name=name,
