@@ -116,7 +116,7 @@ struct TiledItem {
     pair_indices();
   }
 
-  inline void allocate() {
+  void allocate() {
     qt.resize(nrb * kPairs * 16), pp.resize(kTiledKeys / 2 * rpad);
     acc.resize(rpad * D), s.resize(kTiledKeys * rpad), lsum.resize(rpad), msum.resize(rpad);
     vi.resize(kTiledKeys / 2 * kChunks);
@@ -129,7 +129,7 @@ struct TiledItem {
   }
 
   // (a0, b0, a1, b1, ...): the bf16 of two vectors interleaved, as pairs, low then high half.
-  inline void pair_indices() {
+  void pair_indices() {
     alignas(64) int16_t lo_idx[32], hi_idx[32], pair_idx[32];
     for (int i = 0; i < 16; ++i) {
       lo_idx[2 * i] = i, lo_idx[2 * i + 1] = 32 + i;
@@ -139,13 +139,13 @@ struct TiledItem {
     lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx), pair = _mm512_load_si512(pair_idx);
   }
 
-  static inline void configure_tiles() {
+  static void configure_tiles() {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if constexpr (kAmx) amx::configure();
 #endif
   }
 
-  static inline void release_tiles() {
+  static void release_tiles() {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if constexpr (kAmx) _tile_release();
 #endif
@@ -153,7 +153,7 @@ struct TiledItem {
 
   // Q transposed: lane i of qt[rb][p] is dims (2p, 2p+1) of row rb * 16 + i; padded rows
   // repeat the last one (computed, never written).
-  inline void transpose_queries(int64_t h) {
+  void transpose_queries(int64_t h) {
     const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q + token0 * q_stride + h * group * D);
     for (int64_t rb = 0; rb < nrb; ++rb) {
       alignas(64) int32_t row_at[16];  // each lane's row, in pairs from q_pairs
@@ -168,7 +168,7 @@ struct TiledItem {
   }
 
   // Each row block's positions and windows; m, l and acc as no key has been seen.
-  inline void reset_rows() {
+  void reset_rows() {
     for (int64_t rb = 0; rb < nrb; ++rb) {
       alignas(64) int32_t pos[16], first[16];
       for (int i = 0; i < 16; ++i) {
@@ -185,7 +185,7 @@ struct TiledItem {
     std::fill(acc.begin(), acc.end(), 0.0f);
   }
 
-  inline TiledChunk chunk_at(int64_t chunk0) const {
+  TiledChunk chunk_at(int64_t chunk0) const {
     const int64_t nk = std::min(kTiledKeys, n_keys - chunk0);
     const int64_t nk_padded = (nk + kKeyStep - 1) / kKeyStep * kKeyStep, n_pairs = (nk + 1) / 2;
     const int64_t pairs_padded = kAmx ? (n_pairs + 15) / 16 * 16 : n_pairs;
@@ -194,7 +194,7 @@ struct TiledItem {
 
   // Keys past nk repeat the last one, keys before key_begin the first one (in bounds and
   // in the window; masked below).
-  inline void key_offsets(const TiledChunk& c, int64_t h) {
+  void key_offsets(const TiledChunk& c, int64_t h) {
     for (int64_t j = 0; j < c.nk_padded; ++j) {
       const int64_t pos = std::max(key_begin, c.chunk0 + std::min(j, c.nk - 1));
       const int64_t block = bs_shift >= 0 ? pos >> bs_shift : pos / bs;  // a division costs more than the rest
@@ -203,7 +203,7 @@ struct TiledItem {
   }
 
   // (1) scores, s[j][row]: on the tiles 16 keys x 16 rows at a time, else 8 x 16.
-  inline void scores(const TiledChunk& c) {
+  void scores(const TiledChunk& c) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if constexpr (kAmx) scores_on_tiles(c);
 #endif
@@ -214,7 +214,7 @@ struct TiledItem {
   // With blocks of a multiple of 16 positions a tile's 16 keys lie in one block, read
   // in place (tiles wholly before key_begin are not read: their blocks may be gone);
   // else they are gathered (from key_begin on, as key_offset has them).
-  inline void scores_on_tiles(const TiledChunk& c) {
+  void scores_on_tiles(const TiledChunk& c) {
     const c10::BFloat16* tile_keys[kTiledKeys / 16];
     for (int64_t j0 = 0; j0 < c.nk_padded; j0 += 16) {
       const int64_t pos = std::max(key_begin, c.chunk0 + j0);
@@ -233,7 +233,7 @@ struct TiledItem {
   }
 #endif
 
-  inline void scores_on_vectors(const TiledChunk& c) {
+  void scores_on_vectors(const TiledChunk& c) {
     for (int64_t rb = 0; rb < nrb; ++rb) {
       const uint32_t* qrb = &qt[rb * kPairs * 16];
       for (int64_t j0 = 0; j0 < c.nk_padded; j0 += 8) {
@@ -253,17 +253,17 @@ struct TiledItem {
   }
 
   // The lanes of row block rb that see the key at `key`: row_first <= key <= row_pos.
-  inline __mmask16 sees(int64_t key, int64_t rb) const {
+  __mmask16 sees(int64_t key, int64_t rb) const {
     const __m512i k = _mm512_set1_epi32(static_cast<int>(key));
     return _mm512_mask_cmpge_epi32_mask(_mm512_cmple_epi32_mask(k, row_pos[rb]), k, row_first[rb]);
   }
 
-  inline __mmask16 seen_by(bool whole, int64_t key, int64_t rb) const {
+  __mmask16 seen_by(bool whole, int64_t key, int64_t rb) const {
     return whole ? static_cast<__mmask16>(0xFFFF) : sees(key, rb);
   }
 
   // (2) online softmax down the lanes; p is exactly 0 where a row does not see a key.
-  inline void softmax(const TiledChunk& c, int64_t rb) {
+  void softmax(const TiledChunk& c, int64_t rb) {
     // Where every row of the block sees every key of the chunk (all but the diagonal's
     // chunks, without a window), no key is masked.
     const bool whole = rb_last_first[rb] <= c.chunk0 && rb_first_pos[rb] >= c.chunk0 + c.nk - 1;
@@ -284,7 +284,7 @@ struct TiledItem {
   }
 
   // P = exp(s - m_new) of row block rb into pp as bf16 pairs; returns its row sums.
-  inline __m512 p_pairs(const TiledChunk& c, int64_t rb, bool whole, __m512 m_new) {
+  __m512 p_pairs(const TiledChunk& c, int64_t rb, bool whole, __m512 m_new) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < 2 * c.n_pairs; j += 2) {
       __m512 p2[2];
@@ -305,7 +305,7 @@ struct TiledItem {
   }
 
   // acc of row block rb times alpha, row by row.
-  inline void rescale(int64_t rb, __m512 alpha) {
+  void rescale(int64_t rb, __m512 alpha) {
     // alpha is 1 in every row once their largest scores have been seen.
     if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) return;
     alignas(64) float alpha_lanes[16];
@@ -319,7 +319,7 @@ struct TiledItem {
 
   // P row-major for its tile, written well before the tile reads it (a tile's load waits
   // for the stores before it to reach the cache).
-  inline void p_rows_for_tiles([[maybe_unused]] const TiledChunk& c) {
+  void p_rows_for_tiles([[maybe_unused]] const TiledChunk& c) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if constexpr (kAmx) {
       for (int64_t rb = 0; rb < nrb; ++rb)
@@ -333,7 +333,7 @@ struct TiledItem {
   // (3) V as key pairs: lane d of vi[jp][c] is (V[2jp][16c + d], V[2jp + 1][16c + d]).
   // Pairs past the keys, where P is 0: zero, so that no stale value (a NaN among them)
   // meets that 0.
-  inline void values_as_pairs(const TiledChunk& ch) {
+  void values_as_pairs(const TiledChunk& ch) {
     for (int64_t jp = ch.n_pairs; jp < ch.pairs_padded; ++jp)
       for (int64_t c = 0; c < kChunks; ++c) vi[jp * kChunks + c] = (__m512bh)_mm512_setzero_si512();
     for (int64_t jp = 0; jp < ch.n_pairs; ++jp) {
@@ -348,7 +348,7 @@ struct TiledItem {
   }
 
   // (4) acc += P.V: on the tiles 16 rows at a time, else for the real rows, a few at a time.
-  inline void add_pv(const TiledChunk& c) {
+  void add_pv(const TiledChunk& c) {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if constexpr (kAmx) {
       for (int64_t rb = 0; rb < nrb; ++rb)
@@ -364,7 +364,7 @@ struct TiledItem {
   }
 
   // Head h's rows of the output: acc over the softmax's denominator, as bf16.
-  inline void write_rows(int64_t h) {
+  void write_rows(int64_t h) {
     for (int64_t rb = 0; rb < nrb; ++rb) {
       _mm512_storeu_ps(&lsum[rb * 16], l[rb]);
       _mm512_storeu_ps(&msum[rb * 16], m[rb]);
