@@ -128,9 +128,9 @@ def load() -> None:
         build_dir.mkdir(parents=True, exist_ok=True)
         with _building(build_dir):
             if not (build_dir / f"{name}.so").exists():
-                target = "this CPU" if _march() == "native" else f"-march={_march()} (${_MARCH_VARIABLE}) on this CPU"
-                print(f"travelator: building the native kernels for {target} ({_cpu_name()}): about a minute, "
-                      f"once (cached in {build_dir})", file=sys.stderr, flush=True)
+                target = "" if _march() == "native" else f" as -march={_march()} (${_MARCH_VARIABLE})"
+                print(f"travelator: building the native kernels for this CPU ({_cpu_name()}){target}: about a "
+                      f"minute, once (cached in {build_dir})", file=sys.stderr, flush=True)
             cpp_extension.load(
                 name=name,
                 sources=[str(_CSRC / s) for s in _SOURCES],

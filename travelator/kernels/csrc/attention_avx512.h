@@ -25,18 +25,6 @@ namespace travelator::attention {
 // AVX-512 path: 16 floats a vector. A row's numbers depend only on its own inputs
 // here too: every row goes through the same instructions in the same order.
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // Lane j of the result is the sum of v[j]'s 16 lanes: a fixed tree of in-register
 // shuffles, about a third of the work of sixteen horizontal reductions.
 inline __m512 transpose_sum16(const __m512* v) {
@@ -107,7 +95,7 @@ inline __m512 dots16(const c10::BFloat16* qr, const c10::BFloat16* const* krows,
 template <typename scalar_t, int64_t kChunks>
 inline __m512 dots16(const scalar_t* qr, const float* kf) {
   __m512 qv[kChunks];
-  for (int64_t c = 0; c < kChunks; ++c) qv[c] = load16(qr + 16 * c);
+  for (int64_t c = 0; c < kChunks; ++c) qv[c] = travelator::vec16::load(qr + 16 * c);
   __m512 dots[16];
   for (int64_t j = 0; j < 16; ++j) {
     __m512 d = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kf + j * 16 * kChunks));
@@ -126,7 +114,7 @@ inline void pv_rows(float* acc, const float* p, int64_t n_keys, const cache_t* c
     for (int64_t c = 0; c < kChunks; ++c) a[r][c] = _mm512_loadu_ps(acc + r * 16 * kChunks + 16 * c);
   for (int64_t j = 0; j < n_keys; ++j) {
     __m512 v[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) v[c] = load16(vrows[j] + 16 * c);
+    for (int64_t c = 0; c < kChunks; ++c) v[c] = travelator::vec16::load(vrows[j] + 16 * c);
     const float vs = row_scale(vrows[j], D);
     if (pf_l1 != nullptr) prefetch_row<0>(pf_l1[j], row_width<cache_t>(D) * static_cast<int64_t>(sizeof(cache_t)));
     for (int64_t r = 0; r < R; ++r) {
@@ -233,7 +221,7 @@ void attend_item_vec(const WorkItem& w, const scalar_t* q, const cache_t* k_cach
             prefetch_row<1>(v_rows[j], kRow * static_cast<int64_t>(sizeof(cache_t)));
             const __m512 ks = _mm512_set1_ps(row_scale(krows[j], D));
             for (int64_t c = 0; c < kChunks; ++c) {
-              const __m512 kv = load16(krows[j] + 16 * c);
+              const __m512 kv = travelator::vec16::load(krows[j] + 16 * c);
               _mm512_storeu_ps(&kf[j * D + 16 * c], std::is_same_v<cache_t, int8_t> ? _mm512_mul_ps(kv, ks) : kv);
             }
           }

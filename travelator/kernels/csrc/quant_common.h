@@ -4,15 +4,14 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "vec16.h"
 #include "vec8.h"
-
-#if defined(__AVX512F__) || defined(TRAVELATOR_VEC8)
-#include <immintrin.h>
-#endif
 
 namespace travelator::quant {
 
@@ -44,23 +43,10 @@ constexpr uint8_t kE2M1Levels[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10,
 
 // An int4 layer's group scales and zeros (scales_zeros) are 16 bits each: fp16 for uniform
 // codes (GGUF's Q4_0 / Q4_1 scales are fp16, and 16 bits stream a sixth fewer bytes than 32
-// at groups of 32), bf16 for e2m1 ones (powers of two over E8M0's whole range). As floats:
-#if defined(__AVX512F__)
+// at groups of 32), bf16 for e2m1 ones (powers of two over E8M0's whole range); vec16.h and
+// vec8.h widen either.
 template <bool E2M1>
-inline __m512 group_params16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (E2M1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  return _mm512_cvtph_ps(raw);
-}
-#endif
-#if defined(TRAVELATOR_VEC8)
-template <bool E2M1>
-inline __m256 group_params8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (E2M1) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  return _mm256_cvtph_ps(raw);
-}
-#endif
+using GroupParam = std::conditional_t<E2M1, c10::BFloat16, c10::Half>;
 
 inline void check_scales_zeros(const at::Tensor& scales_zeros, Codebook codebook, const char* name) {
   TORCH_CHECK(scales_zeros.scalar_type() == (codebook == Codebook::kE2M1 ? at::kBFloat16 : at::kHalf),

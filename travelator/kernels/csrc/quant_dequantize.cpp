@@ -50,8 +50,8 @@ inline void dequantize_int8_lanes(const uint8_t* d, const float* scales, PutFn p
 // scales, their zeros kTileRows on; codes through the e2m1 levels where E2M1. put(j, w) for
 // inputs j = 0..7.
 template <bool E2M1, typename PutFn>
-inline void dequantize_int4_lanes(const uint8_t* d, const uint16_t* sz, PutFn put) {
-  const __m512 scale = group_params16<E2M1>(sz), zero = group_params16<E2M1>(sz + kTileRows);
+inline void dequantize_int4_lanes(const uint8_t* d, const GroupParam<E2M1>* sz, PutFn put) {
+  const __m512 scale = travelator::vec16::load(sz), zero = travelator::vec16::load(sz + kTileRows);
   // (q - 8) * scale + zero = q * scale + (zero - 8 * scale)
   const __m512 base = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
   const __m512i v = _mm512_loadu_si512(d);
@@ -90,8 +90,8 @@ inline __m256i e2m1_levels(__m256i q) {
 }
 
 template <bool E2M1, typename PutFn>
-inline void dequantize_int4_lanes(const uint8_t* d, const uint16_t* sz, PutFn put) {
-  const __m256 scale = group_params8<E2M1>(sz), zero = group_params8<E2M1>(sz + kTileRows);
+inline void dequantize_int4_lanes(const uint8_t* d, const GroupParam<E2M1>* sz, PutFn put) {
+  const __m256 scale = v8::load(sz), zero = v8::load(sz + kTileRows);
   const __m256 base = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d));
   for (int j = 0; j < 8; ++j) {
@@ -153,14 +153,14 @@ void quant_dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_ze
   TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.numel() == n_tiles * groups * 2 * kTileRows,
               "quant_dequantize_int4: bad shape");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto* sz = static_cast<const uint16_t*>(scales_zeros.data_ptr());
+  const void* sz = scales_zeros.data_ptr();
   dequantize_tiles(out, n_tiles, octets, 8, "quant_dequantize_int4", [&](int64_t t, int64_t ko, int r, auto put) {
     const uint8_t* d = w + (t * octets + ko) * 4 * kTileRows + r * kLanes * 4;
-    const uint16_t* rows_sz = sz + ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes;
+    const int64_t rows_sz = ((t * groups + ko * 8 / group) * 2) * kTileRows + r * kLanes;
     if (e2m1)
-      dequantize_int4_lanes<true>(d, rows_sz, put);
+      dequantize_int4_lanes<true>(d, static_cast<const GroupParam<true>*>(sz) + rows_sz, put);
     else
-      dequantize_int4_lanes<false>(d, rows_sz, put);
+      dequantize_int4_lanes<false>(d, static_cast<const GroupParam<false>*>(sz) + rows_sz, put);
   });
 }
 

@@ -138,7 +138,7 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
               scales_zeros.size(1) == K / group && scales_zeros.size(2) == 2 && scales_zeros.size(3) == kTileRows,
               "quant_linear_int4: bad scales_zeros");
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto* sz = static_cast<const uint16_t*>(scales_zeros.data_ptr());
+  const void* sz = scales_zeros.data_ptr();
   const int64_t tile_bytes = K / 2 * kTileRows, tile_sz = K / group * 2 * kTileRows;
   return with_float_type(x.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
@@ -146,10 +146,12 @@ at::Tensor quant_linear_int4(const at::Tensor& x, const at::Tensor& packed, cons
     return run_tiles<scalar_t>(x, N, n_tiles, [&](auto rows, auto tiles, int64_t t, int64_t m, float* out,
                                                   int64_t stride, int64_t tile_out) {
       if (e2m1)
-        tiles_int4<rows(), tiles(), true>(xi, m, w + t * tile_bytes, tile_bytes, sz + t * tile_sz, tile_sz, out,
+        tiles_int4<rows(), tiles(), true>(xi, m, w + t * tile_bytes, tile_bytes,
+                                          static_cast<const GroupParam<true>*>(sz) + t * tile_sz, tile_sz, out,
                                           stride, tile_out);
       else
-        tiles_int4<rows(), tiles(), false>(xi, m, w + t * tile_bytes, tile_bytes, sz + t * tile_sz, tile_sz, out,
+        tiles_int4<rows(), tiles(), false>(xi, m, w + t * tile_bytes, tile_bytes,
+                                           static_cast<const GroupParam<false>*>(sz) + t * tile_sz, tile_sz, out,
                                            stride, tile_out);
     });
   });

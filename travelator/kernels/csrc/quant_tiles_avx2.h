@@ -180,10 +180,10 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
     }
 }
 
-// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero, 16-bit);
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero: GroupParam);
 // codes through the e2m1 levels where E2M1 (one byte shuffle per 32 codes).
 template <int64_t MR, bool E2M1>
-void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const uint16_t* sz, float* out,
+void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const GroupParam<E2M1>* sz, float* out,
                int64_t out_stride) {
   constexpr int RG = 4 / MR;
   const int64_t K = xi.K;
@@ -193,8 +193,8 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const uint16_t*
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
   for (int64_t g = 0; g < xi.blocks; ++g) {
     const int64_t k0 = g * xi.block;
-    const uint16_t* s = sz + g * 2 * kTileRows;
-    const uint16_t* z = s + kTileRows;
+    const GroupParam<E2M1>* s = sz + g * 2 * kTileRows;
+    const GroupParam<E2M1>* z = s + kTileRows;
     for (int v0 = 0; v0 < kVectors; v0 += RG) {
       __m256i acc[MR][RG];
       for (int64_t m = 0; m < MR; ++m)
@@ -223,9 +223,9 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const uint16_t*
         for (int v = 0; v < RG; ++v) {
           const int r = (v0 + v) * 8;
           float* tot = out + m * out_stride + r;
-          const __m256 sxs = _mm256_mul_ps(group_params8<E2M1>(s + r), xs);
+          const __m256 sxs = _mm256_mul_ps(v8::load(s + r), xs);
           __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][v], offset)), sxs, _mm256_loadu_ps(tot));
-          _mm256_storeu_ps(tot, _mm256_fmadd_ps(group_params8<E2M1>(z + r), zx, t));
+          _mm256_storeu_ps(tot, _mm256_fmadd_ps(v8::load(z + r), zx, t));
         }
       }
     }
@@ -240,7 +240,7 @@ void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const
 }
 
 template <int64_t MR, int64_t NT, bool E2M1>
-void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const uint16_t* sz, int64_t, float* out,
+void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t, const GroupParam<E2M1>* sz, int64_t, float* out,
                 int64_t out_stride, int64_t) {
   static_assert(NT == 1);
   tile_int4<MR, E2M1>(xi, m0, w, sz, out, out_stride);

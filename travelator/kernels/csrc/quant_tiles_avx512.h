@@ -153,10 +153,10 @@ void tiles_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_b
                          _mm512_mul_ps(tot[j][m][r], _mm512_loadu_ps(row_scale + j * kTileRows + r * 16)));
 }
 
-// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero, 16-bit),
+// The same for int4 weights, groups of `group` inputs; sz: [groups][2][64] (scale, zero: GroupParam),
 // tile j's at sz + j * tile_sz; codes through the e2m1 levels where E2M1.
 template <int64_t MR, int64_t NT, bool E2M1>
-void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_bytes, const uint16_t* sz,
+void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_bytes, const GroupParam<E2M1>* sz,
                 int64_t tile_sz, float* out, int64_t out_stride, int64_t tile_out) {
   const int64_t K = xi.K;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -201,13 +201,13 @@ void tiles_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, int64_t tile_b
       const __m512 xs = _mm512_set1_ps(xi.scale[mg]);
       const __m512 zx = _mm512_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
       for (int64_t j = 0; j < NT; ++j) {
-        const uint16_t* s = sz + j * tile_sz + g * 2 * kTileRows;
-        const uint16_t* z = s + kTileRows;
+        const GroupParam<E2M1>* s = sz + j * tile_sz + g * 2 * kTileRows;
+        const GroupParam<E2M1>* z = s + kTileRows;
         for (int r = 0; r < 4; ++r) {
           const __m512i a = block_sum(ah[j][m][r], al[j][m][r], offset);
-          const __m512 sxs = _mm512_mul_ps(group_params16<E2M1>(s + r * 16), xs);
+          const __m512 sxs = _mm512_mul_ps(vec16::load(s + r * 16), xs);
           tot[j][m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sxs, tot[j][m][r]);
-          tot[j][m][r] = _mm512_fmadd_ps(group_params16<E2M1>(z + r * 16), zx, tot[j][m][r]);
+          tot[j][m][r] = _mm512_fmadd_ps(vec16::load(z + r * 16), zx, tot[j][m][r]);
         }
       }
     }

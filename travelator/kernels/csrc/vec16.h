@@ -1,5 +1,6 @@
-// Sixteen float lanes of AVX-512 for the CPU kernels. With AVX512F: the vector form of
-// travelator::exp_approx and a reciprocal. With BW and VL too (TRAVELATOR_VEC16): loads and
+// Sixteen float lanes of AVX-512 for the CPU kernels. With AVX512F: loads of 16 float32,
+// bf16, float16 or int8 values widened to float, the vector form of travelator::exp_approx
+// and a reciprocal. With BW and VL too (TRAVELATOR_VEC16): loads and
 // stores of float32 and bf16 with a lane mask (so a row's tail goes through the same
 // instructions as its body), rounding to bf16 to nearest even as c10::BFloat16 rounds (see
 // bf16_bits for the edge cases where AVX512-BF16 differs).
@@ -8,7 +9,24 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
 namespace travelator::vec16 {
+
+inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load(const c10::BFloat16* p) {  // a bf16 is the top half of a float32: exact
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // 1 / d to about 2^-28 (an approximate reciprocal and one Newton step): a division is
 // several times dearer on this hardware, and a result within a float ulp rounds to the
