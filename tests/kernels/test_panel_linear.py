@@ -26,15 +26,17 @@ def sum_k_in_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     return acc.bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 7, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 200])
 @pytest.mark.parametrize("biased", [False, True])
 def test_panel_linear_is_a_float32_sum_over_k_in_order(rows, biased):
-    """Bit for bit, for row counts around the 6-row groups and past a tile of rows, k past a
-    slice (several passes) and not a multiple of 8, a bias or not."""
+    """Bit for bit, for the streamed row counts (1-4: panels side by side, 7 of them so that
+    4 and 2 at a time leave some over, on each of the two threads), row counts around the 6-row
+    groups and past a tile of rows, k past a slice (several passes) and not a multiple of 8, a
+    bias or not."""
     from travelator.model.native_linear import panel_linear_weight
 
     g = torch.Generator().manual_seed(rows)
-    n, k = 48, 1000
+    n, k = 112, 1000
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / 8).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16() if biased else None
@@ -56,9 +58,8 @@ def test_panel_linear_refuses_a_weight_of_another_layout():
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_native_linear_takes_panels_without_a_bf16_gemm(batch_invariant):
     """Without a bf16 GEMM (forced here) bf16 weights whose columns divide into panels take
-    panel_linear past the streamed rows, 3-D inputs too, and the native layer stack streams
-    their natural layout; other weights keep the widened oneDNN copy. Batch-invariant mode
-    takes panel_linear at every row count."""
+    panel_linear at every row count, 3-D inputs too, and so does the native layer stack (their
+    natural layout stays for a mixture's experts); other weights keep the widened oneDNN copy."""
     from travelator.model.linear_route import LinearRoute
     from travelator.model.native_linear import panel_linear_weight
     from travelator.model.ops import NativeOps
@@ -70,14 +71,13 @@ def test_native_linear_takes_panels_without_a_bf16_gemm(batch_invariant):
     native.prepare([w, odd], torch.bfloat16)
     assert native.linear_route(w) is LinearRoute.PANELS and native.linear_route(odd) is LinearRoute.ONEDNN_FLOAT32
     if not batch_invariant:  # which streams nothing: a second kernel would make rows depend on the batch
-        assert native.streaming_linear(w, None).route is LinearRoute.PANELS
-        assert native.streaming_linear(w, None).a is w
-    streamed = native.streaming_rows(False)
+        spec = native.streaming_linear(w, bias)
+        assert spec.route is LinearRoute.PANELS and spec.a is w and spec.bias is bias
+        assert torch.equal(spec.b, panel_linear_weight(w))
     for rows in (1, 3, 17, 64):
         x = torch.randn(rows, 100, generator=g).bfloat16()
         y = native.linear(x, w, bias)
-        if rows > streamed:
-            assert torch.equal(y, ops.panel_linear(x, panel_linear_weight(w), bias))
+        assert torch.equal(y, ops.panel_linear(x, panel_linear_weight(w), bias))
         ref = x.double() @ w.double().T + bias.double()
         torch.testing.assert_close(y.double(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
         assert torch.equal(native.linear(x.view(1, rows, 100), w, bias), y.view(1, rows, 192))

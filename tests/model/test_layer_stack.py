@@ -65,8 +65,8 @@ def _generate_rows(llm: LLM, use_stack: bool, prompts: list[list[int]] = PROMPTS
     ("dummy:qwen3-moe-tiny", "bfloat16", "int4", "auto"),
 ])
 def test_the_layer_stack_gives_the_python_layers_bits(model, dtype, quantization, kv):
-    # Two seats: decode steps of one and two rows (bf16's small_m_linear takes up to 4 rows
-    # on AVX512-BF16 and AVX2), prompts in steps of 3-9 rows, the longer ones only int8/int4 stream.
+    # Two seats: decode steps of one and two rows (bf16 streams up to 4 rows: small_m_linear on
+    # AVX512-BF16, panel_linear on AVX2), prompts in steps of 3-9 rows, the longer ones only int8/int4 stream.
     llm = LLM(model, device="cpu", dtype=dtype, quantization=quantization, quantization_group_size=32,
               kv_cache_dtype=kv, max_num_seqs=2, enable_prefix_caching=False)
     python, none = _generate(llm, use_stack=False)
@@ -78,16 +78,20 @@ def test_the_layer_stack_gives_the_python_layers_bits(model, dtype, quantization
         # fewer than 64 outputs, through small_m_linear).
         routes = set(LayerStack.of(llm.engine.runner.model).linears.ints[0::3])
         assert routes == {LinearRoute.BLOCKED} if model == "dummy:tiny" else LinearRoute.BLOCKED in routes
+    if quantization == "none" and hasattr(torch.ops.travelator, "panel_linear"):
+        # AVX2: the bf16 layers stream their panels (a mixture's experts their natural layout).
+        routes = set(LayerStack.of(llm.engine.runner.model).linears.ints[0::3])
+        assert LinearRoute.PANELS in routes
 
 
 @pytest.mark.parametrize("quantization", ["int8", "none"])
 def test_the_layer_stack_adds_a_layers_bias(tmp_path, quantization):
     """Qwen2's QKV bias: added after the integer kernel, as the Python layer adds it; in
-    blocked_linear's float32 sums where that kernel takes bf16 layers (elsewhere a biased
-    bf16 layer keeps the model in Python). (The checkpoint's biases are zeros,
-    transformers' initialisation: they are made random here.)"""
+    blocked_linear's or panel_linear's float32 sums where those kernels take bf16 layers
+    (elsewhere a biased bf16 layer keeps the model in Python). (The checkpoint's biases are
+    zeros, transformers' initialisation: they are made random here.)"""
     path = build_checkpoint(tmp_path / "qwen2", "qwen2")
-    if quantization == "none" and not hasattr(torch.ops.travelator, "blocked_linear"):
+    if quantization == "none" and not any(hasattr(torch.ops.travelator, op) for op in ("blocked_linear", "panel_linear")):
         pytest.skip("no bf16 kernel streams a biased layer on this CPU")
     llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization=quantization, max_num_seqs=2, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ class LinearRoute(IntEnum):
     # int4 weight whose codes are e2m1 (MXFP4): as INT4, the codes through their fp4 levels.
     INT4_FP4 = 5
     # bf16 weight laid out in 16-column panels for panel_linear (AVX2 machines: float32 sums,
-    # no bf16 GEMM); a few rows stream the weight as loaded, as ONEDNN_BF16.
+    # no bf16 GEMM), at every row count: a few rows stream the panels.
     PANELS = 6
 
     @property

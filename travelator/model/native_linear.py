@@ -8,8 +8,9 @@ its weight at every call), and on AVX2 CPUs,
 where oneDNN has no bf16 GEMM, laid out in panels of 16 columns for travelator's own
 ``panel_linear`` (float32 sums over the bf16 weight; widened to float32 and packed for oneDNN
 where that kernel is not built or the columns do not divide). A float32 weight is packed for
-oneDNN's float32 GEMM. A call only follows the route; within the oneDNN and panel routes,
-steps of a few rows stream the natural-layout weight through ``small_m_linear`` instead. Quantized weights take their own kernel up to ``quant_kernel_rows`` rows; past
+oneDNN's float32 GEMM. A call only follows the route; within the oneDNN routes, steps of a
+few rows stream the natural-layout weight through ``small_m_linear`` instead (``panel_linear``
+streams its panels at those rows itself). Quantized weights take their own kernel up to ``quant_kernel_rows`` rows; past
 that, where there is a bf16 GEMM and memory allows, a bf16 copy made once at load (laid out
 as a bf16 weight's route would be), else the weight dequantized at every call; where there is
 no bf16 GEMM (AVX2), int8 weights take the W8A8 kernel from ``W8A8_ROWS`` rows instead. The native layer stack reads the same routes
@@ -85,7 +86,7 @@ class PreparedLinear:
     """A bf16 or float32 weight as loaded, its route, and the copy that route multiplies."""
 
     route: LinearRoute
-    weight: torch.Tensor  # natural [N, K] layout: small_m_linear streams it
+    weight: torch.Tensor  # natural [N, K] layout: small_m_linear streams it (not on PANELS)
     copy: torch.Tensor  # blocked_linear's or panel_linear's layout, or oneDNN-packed (bf16 or float32)
 
 
@@ -248,7 +249,7 @@ class NativeLinear:
             return PreparedLinear(LinearRoute.BLOCKED, w, blocked_linear_weight(w))
         if self._bf16_gemm:
             return PreparedLinear(LinearRoute.ONEDNN_BF16, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        # The bf16 weight stays (small_m_linear reads it) beside its panels or float32 copy.
+        # The bf16 weight stays beside its panels (a mixture's experts stream it) or float32 copy.
         if self._panels_built and n % PANEL_COLUMNS == 0 and k > 0:
             return PreparedLinear(LinearRoute.PANELS, w, panel_linear_weight(w))
         wide = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None)
@@ -270,13 +271,14 @@ class NativeLinear:
             return self._gemm(partial(_plain_gemm, weight, bias), x)
         if prepared.route is LinearRoute.BLOCKED:
             return self._gemm(partial(_over_rows, partial(_blocked_gemm, prepared.copy, bias)), x)
+        if prepared.route is LinearRoute.PANELS:
+            # Each row's sums follow k in order alone: invariant without fixed tiles. A few rows
+            # stream the panels, faster than small_m_linear over the natural layout.
+            return _over_rows(partial(self._ops.panel_linear, w=prepared.copy, bias=bias), x)
         if (self._small_m_built and bias is None and x.dim() == 2 and x.shape[0] <= self._small_m_rows
                 and x.dtype == torch.bfloat16):
             # A few rows only stream the weights: read in their natural layout.
             return self._ops.small_m_linear(x.contiguous(), weight)
-        if prepared.route is LinearRoute.PANELS:
-            # Each row's sums follow k in order alone: invariant without fixed tiles.
-            return _over_rows(partial(self._ops.panel_linear, w=prepared.copy, bias=bias), x)
         if prepared.route is LinearRoute.ONEDNN_FLOAT32:
             return self._gemm(partial(_widened_gemm, prepared.copy, self._widened_bias(bias)), x)
         return self._gemm(partial(_onednn_gemm, prepared.copy, bias), x)
@@ -297,6 +299,8 @@ class NativeLinear:
             return None  # small_m_linear streams bf16 weights only
         if prepared.route is LinearRoute.BLOCKED:
             return StreamingLinear(prepared.route, prepared.copy, None, bias, 0, weight.shape[0])
+        if prepared.route is LinearRoute.PANELS:  # panel_linear's panels; a mixture's experts read a
+            return StreamingLinear(prepared.route, weight, prepared.copy, bias, 0, weight.shape[0])
         if bias is not None:  # small_m_linear takes no bias: the GEMM does
             return None
         return StreamingLinear(prepared.route, weight, None, None, 0, weight.shape[0])

@@ -8,6 +8,9 @@
 // L2); a panel's weights are widened a slice of k at a time into a buffer that stays in L1
 // while every group of 6 rows of the tile passes over it. Panels are split over threads.
 //
+// A step of a few rows (kStreamRows at most) only streams the weights: stream_panels reads
+// several panels side by side, front to back, with no slices.
+//
 // Each output is a float32 sum over k in order, one fused multiply-add per k: whatever M is
 // and however rows and columns are split, a row's result never depends on the other rows.
 
@@ -74,6 +77,65 @@ inline void micro_rows(int64_t rows, const float* a, int64_t lda, const B* b, in
   micro<R>(a, lda, b, kc, acc);
 }
 
+// Up to this many rows of x, the weights are streamed (stream_panels) rather than tiled.
+constexpr int64_t kStreamRows = 4;
+constexpr int64_t kAhead = 1024;  // bytes prefetched ahead in each panel's stream
+
+// sums of P panels (consecutive, from `panels`) for M rows of x widened (xw, [M][K]), each
+// (row, column) its own chain of fused multiply-adds over k in order, as micro's, so the bits
+// are micro's. A panel's 16 bf16 columns at k are one 32-byte load: as 32-bit lanes the odd
+// columns are the high halves (masked) and the even ones the low halves (shifted), two
+// instructions for 16 weights. Writes out[(m P + q) 16 + column].
+template <int64_t M, int64_t P>
+void stream_panels(const float* xw, int64_t K, const c10::BFloat16* panels, float* out) {
+  constexpr int64_t A = M * P;  // sums[2 a]: the even columns of pair a = (m, q), sums[2 a + 1] the odd
+  __m256 sums[2 * A];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < 2 * A; ++i) sums[i] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[2 * P];
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < P; ++q) {
+      const c10::BFloat16* at = panels + (q * K + k) * kCols;
+      // Every k, not every other (a line holds two): a branch here made gcc keep the sums in memory.
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+      w[2 * q] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      w[2 * q + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+    }
+#pragma GCC unroll 8
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(xw + m * K + k);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < 2 * P; ++j) sums[2 * m * P + j] = _mm256_fmadd_ps(xv, w[j], sums[2 * m * P + j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t a = 0; a < A; ++a) {  // back to column order: even and odd lanes interleaved
+    const __m256 lo = _mm256_unpacklo_ps(sums[2 * a], sums[2 * a + 1]);
+    const __m256 hi = _mm256_unpackhi_ps(sums[2 * a], sums[2 * a + 1]);
+    _mm256_storeu_ps(out + a * kCols, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(out + a * kCols + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+
+// Panels side by side for `rows` rows: as many as the 16 registers hold sums for (4 for one
+// row, 2 for two; rows x panels <= 4), fewer at the end of the range. Returns how many it took.
+int64_t stream_step(int64_t rows, const float* xw, int64_t K, const c10::BFloat16* panels, int64_t left,
+                    float* out) {
+  switch (rows) {
+    case 1:
+      if (left >= 4) return stream_panels<1, 4>(xw, K, panels, out), 4;
+      return stream_panels<1, 1>(xw, K, panels, out), 1;
+    case 2:
+      if (left >= 2) return stream_panels<2, 2>(xw, K, panels, out), 2;
+      return stream_panels<2, 1>(xw, K, panels, out), 1;
+    case 3: return stream_panels<3, 1>(xw, K, panels, out), 1;
+    default: return stream_panels<4, 1>(xw, K, panels, out), 1;
+  }
+}
+
 struct Problem {
   const c10::BFloat16* w;  // [N / 16][K][16]
   const float* bias;       // [N] or null
@@ -81,8 +143,28 @@ struct Problem {
   int64_t K, N;
 };
 
+// y[m0 + m][column] for the P panels from nb on, from sums as stream_panels writes them.
+void store_streamed(const Problem& p, const float* sums, int64_t m0, int64_t rows, int64_t nb, int64_t P) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t q = 0; q < P; ++q)
+      for (int64_t j = 0; j < kCols; j += 8) {
+        __m256 s = _mm256_loadu_ps(sums + (m * P + q) * kCols + j);
+        if (p.bias != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(p.bias + (nb + q) * kCols + j));
+        v8::store(p.y + (m0 + m) * p.N + (nb + q) * kCols + j, s);
+      }
+}
+
 // Rows [m0, m0 + rows) of y for panels [begin, end), from those rows of x widened.
 void tile(const Problem& p, const float* xw, int64_t m0, int64_t rows, int64_t begin, int64_t end) {
+  if (rows <= kStreamRows) {
+    float sums[kStreamRows * kCols];  // stream_step takes rows x panels <= 4
+    for (int64_t nb = begin; nb < end;) {
+      const int64_t P = stream_step(rows, xw, p.K, p.w + nb * p.K * kCols, end - nb, sums);
+      store_streamed(p, sums, m0, rows, nb, P);
+      nb += P;
+    }
+    return;
+  }
   alignas(64) float slice[kSlice * kCols];
   std::vector<float> acc(rows * kCols);
   // Rows dealt out evenly (8 rows: 4 and 4, not 6 and 2): a group of few rows has too few

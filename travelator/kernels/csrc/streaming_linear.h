@@ -3,8 +3,10 @@
 // and a linear layer by its route, as ops.NativeOps.linear computes it.
 //
 // A linear layer i is three entries of `tensors` (a, b, bias) and of `ints` (route, group, N),
-// its route one of linear_route.h's: the oneDNN and panel routes stream bf16 weight a through
-// small_m_linear (no bias: the Python layer takes the GEMM then), the others as that header says.
+// its route one of linear_route.h's: the oneDNN routes stream bf16 weight a through
+// small_m_linear (no bias: the Python layer takes the GEMM then), the panel route streams its
+// panels b through panel_linear (a: the natural layout, which a mixture's fused experts read),
+// the others as that header says.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -55,6 +57,7 @@ struct Kernels {
   c10::TypedOperatorHandle<Attention> attention = kernel<Attention>("travelator::paged_attention");
   std::optional<c10::TypedOperatorHandle<SmallM>> small_m = kernel_if_built<SmallM>("travelator::small_m_linear");
   std::optional<c10::TypedOperatorHandle<Blocked>> blocked = kernel_if_built<Blocked>("travelator::blocked_linear");
+  std::optional<c10::TypedOperatorHandle<Blocked>> panels = kernel_if_built<Blocked>("travelator::panel_linear");
   std::optional<c10::TypedOperatorHandle<Int8>> int8 = kernel_if_built<Int8>("travelator::quant_linear_int8");
   std::optional<c10::TypedOperatorHandle<Int4>> int4 = kernel_if_built<Int4>("travelator::quant_linear_int4");
   // Built where small_m_linear is; looked up when a mixture needs it (moe_experts.cpp uses Kernels too).
@@ -73,9 +76,11 @@ inline T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c1
   switch (route) {
     case LinearRoute::kOnednnBf16:
     case LinearRoute::kOnednnFloat32:
-    case LinearRoute::kPanels:
       TORCH_CHECK(k.small_m.has_value() && !bias.has_value(), "no streaming kernel for linear layer ", i);
       return k.small_m->call(x.contiguous(), *a);
+    case LinearRoute::kPanels:
+      TORCH_CHECK(k.panels.has_value() && b.has_value(), "no panel kernel for linear layer ", i);
+      return k.panels->call(x.contiguous(), *b, bias);
     case LinearRoute::kBlocked:
       TORCH_CHECK(k.blocked.has_value(), "this build has no blocked_linear");
       return k.blocked->call(x.contiguous(), *a, bias);
