@@ -29,10 +29,10 @@ def sum_k_in_order(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 200])
 @pytest.mark.parametrize("biased", [False, True])
 def test_panel_linear_is_a_float32_sum_over_k_in_order(rows, biased):
-    """Bit for bit, for the streamed row counts (1-4: panels side by side, 7 of them so that
-    4 and 2 at a time leave some over, on each of the two threads), row counts around the 6-row
-    groups and past a tile of rows, k past a slice (several passes) and not a multiple of 8, a
-    bias or not."""
+    """Bit for bit, for the streamed row counts (1-4: panels side by side, 7 of them, so that
+    a thread's range leaves some over after 4 or 2 at a time on one, two or four threads), row
+    counts around the 6-row groups and past a tile of rows, k past a slice (several passes) and
+    not a multiple of 8, a bias or not."""
     from travelator.model.native_linear import panel_linear_weight
 
     g = torch.Generator().manual_seed(rows)
@@ -70,7 +70,7 @@ def test_native_linear_takes_panels_without_a_bf16_gemm(batch_invariant):
     native = NativeOps(bf16_gemm=False, batch_invariant=batch_invariant)
     native.prepare([w, odd], torch.bfloat16)
     assert native.linear_route(w) is LinearRoute.PANELS and native.linear_route(odd) is LinearRoute.ONEDNN_FLOAT32
-    if not batch_invariant:  # which streams nothing: a second kernel would make rows depend on the batch
+    if not batch_invariant:  # the layer stack's specs follow small_m_linear's switch, off when invariant
         spec = native.streaming_linear(w, bias)
         assert spec.route is LinearRoute.PANELS and spec.a is w and spec.bias is bias
         assert torch.equal(spec.b, panel_linear_weight(w))

@@ -4,7 +4,7 @@ A step of a few rows (a decode of one or a few requests) spends a large share of
 in Python between the kernels: module calls, views and ``torch.ops`` argument parsing. ``csrc/layer_stack.cpp`` runs the same kernels in the same
 order from C++ (the same bits as the Python layers, which tests check), for steps where the
 Python path would send every linear layer to a streaming kernel: bf16 weights through
-``small_m_linear`` (no bias) or ``blocked_linear``, int8/int4 through the integer kernel, at most
+``small_m_linear`` (no bias), ``blocked_linear`` or (AVX2) ``panel_linear``, int8/int4 through the integer kernel, at most
 ``NativeOps.streaming_rows`` rows (the routes of model/linear_route.py; ``blocked_linear`` takes
 every row count, so a model whose bf16 layers all take it runs every step here, prompts too).
 Anything else (more rows, tensor or pipeline parallelism, the torch kernels, attention's torch

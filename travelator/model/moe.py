@@ -76,7 +76,8 @@ class ExpertStack:
 
     def covers(self, ops: TorchOps, rows: int) -> bool:
         """Whether the native call serves a step whose busiest expert has ``rows`` rows: bf16
-        experts stream through small_m_linear's tiles (in slices of the rows they take) up to
+        experts stream (small_m_linear's tiles in slices of the rows they take, or on AVX2
+        panel_linear, expert by expert) up to
         EXPERT_STREAMING_ROWS rows, where the GEMM library's cost per call outweighs
         re-reading an expert's weights from cache; int8/int4 ones up to their integer kernels'
         rows (ops.streaming_rows)."""

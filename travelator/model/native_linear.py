@@ -249,7 +249,7 @@ class NativeLinear:
             return PreparedLinear(LinearRoute.BLOCKED, w, blocked_linear_weight(w))
         if self._bf16_gemm:
             return PreparedLinear(LinearRoute.ONEDNN_BF16, w, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        # The bf16 weight stays beside its panels (a mixture's experts stream it) or float32 copy.
+        # The bf16 weight (the model's own tensor) stays beside its panels or float32 copy.
         if self._panels_built and n % PANEL_COLUMNS == 0 and k > 0:
             return PreparedLinear(LinearRoute.PANELS, w, panel_linear_weight(w))
         wide = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None)
@@ -299,7 +299,7 @@ class NativeLinear:
             return None  # small_m_linear streams bf16 weights only
         if prepared.route is LinearRoute.BLOCKED:
             return StreamingLinear(prepared.route, prepared.copy, None, bias, 0, weight.shape[0])
-        if prepared.route is LinearRoute.PANELS:  # panel_linear's panels; a mixture's experts read a
+        if prepared.route is LinearRoute.PANELS:  # panel_linear's panels as b
             return StreamingLinear(prepared.route, weight, prepared.copy, bias, 0, weight.shape[0])
         if bias is not None:  # small_m_linear takes no bias: the GEMM does
             return None

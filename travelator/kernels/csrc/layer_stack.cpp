@@ -3,8 +3,8 @@
 // same arguments, so the result is the same bits; only the trips back to Python between
 // them are gone, which weigh most in a step of a few rows of x.
 //
-// Only for steps whose every linear layer takes a streaming kernel (small_m_linear or
-// blocked_linear for bf16 weights, quant_linear_int8/int4 for quantized ones); the Python
+// Only for steps whose every linear layer takes a streaming kernel (small_m_linear,
+// blocked_linear or panel_linear for bf16 weights, quant_linear_int8/int4 for quantized ones); the Python
 // side checks that, and runs the layers itself otherwise. Each linear layer is three entries
 // of `linear_tensors` (a, b, bias) and of `linear_ints` (route, group, N), its route one of
 // linear_route.h's: the oneDNN routes stream bf16 weight a through small_m_linear (no bias:

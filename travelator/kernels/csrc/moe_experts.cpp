@@ -1,8 +1,9 @@
 // The experts of a mixture-of-experts layer for a step of a few tokens (a decode of one to a
 // few requests) in one call: every (token, expert) pair's gate/up projection, SiLU * up, and
 // down projection, each projection by the streaming route its weight was given
-// (streaming_linear.h: bf16 weights through small_m_linear's tiles, int8/int4 through the
-// integer kernels). Where every expert streams bf16 weights, three passes serve all the
+// (streaming_linear.h: bf16 weights through small_m_linear's tiles or panel_linear, int8/int4
+// through the integer kernels). Where every expert streams bf16 weights through small_m_linear's
+// tiles, three passes serve all the
 // experts the step uses at once (one parallel loop each) instead of two kernel calls per
 // expert; otherwise the experts run one by one from here, without the trips to Python
 // between them. An expert no token chose is never read.
@@ -74,13 +75,13 @@ std::vector<Group> group_pairs(const at::Tensor& experts, int64_t num_experts, s
   return groups;
 }
 
-// Every expert's projections stream bf16 weights through small_m_linear (the oneDNN and panel routes, no
-// bias): then the fused passes serve them.
+// Every expert's projections stream bf16 weights through small_m_linear (the oneDNN routes, no
+// bias): then the fused passes serve them. Panel weights (AVX2) take panel_linear at every row
+// count, whose sums follow another order, so their experts run one by one.
 bool all_small_m(const c10::List<std::optional<at::Tensor>>& tensors, c10::IntArrayRef ints) {
   for (size_t i = 0; i < ints.size() / 3; ++i) {
     const auto route = static_cast<LinearRoute>(ints[3 * i]);
-    const bool streams = route == LinearRoute::kOnednnBf16 || route == LinearRoute::kOnednnFloat32 ||
-                         route == LinearRoute::kPanels;
+    const bool streams = route == LinearRoute::kOnednnBf16 || route == LinearRoute::kOnednnFloat32;
     if (!streams || tensors.get(3 * i + 2).has_value())
       return false;
   }

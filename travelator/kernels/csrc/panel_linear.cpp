@@ -121,12 +121,15 @@ void stream_panels(const float* xw, int64_t K, const c10::BFloat16* panels, floa
 }
 
 // Panels side by side for `rows` rows: as many as the 16 registers hold sums for (4 for one
-// row, 2 for two; rows x panels <= 4), fewer at the end of the range. Returns how many it took.
+// row, 2 for two; rows x panels <= 4), fewer at the end of a thread's range (one row: all that
+// are left, so that more chains stay in flight). Returns how many it took.
 int64_t stream_step(int64_t rows, const float* xw, int64_t K, const c10::BFloat16* panels, int64_t left,
                     float* out) {
   switch (rows) {
     case 1:
       if (left >= 4) return stream_panels<1, 4>(xw, K, panels, out), 4;
+      if (left == 3) return stream_panels<1, 3>(xw, K, panels, out), 3;
+      if (left == 2) return stream_panels<1, 2>(xw, K, panels, out), 2;
       return stream_panels<1, 1>(xw, K, panels, out), 1;
     case 2:
       if (left >= 2) return stream_panels<2, 2>(xw, K, panels, out), 2;

@@ -5,7 +5,7 @@
 // A linear layer i is three entries of `tensors` (a, b, bias) and of `ints` (route, group, N),
 // its route one of linear_route.h's: the oneDNN routes stream bf16 weight a through
 // small_m_linear (no bias: the Python layer takes the GEMM then), the panel route streams its
-// panels b through panel_linear (a: the natural layout, which a mixture's fused experts read),
+// panels b through panel_linear (a: the natural layout, the model's own tensor),
 // the others as that header says.
 #pragma once
 
