@@ -58,8 +58,8 @@ def test_panel_linear_refuses_a_weight_of_another_layout():
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_native_linear_takes_panels_without_a_bf16_gemm(batch_invariant):
     """Without a bf16 GEMM (forced here) bf16 weights whose columns divide into panels take
-    panel_linear at every row count, 3-D inputs too, and so does the native layer stack (their
-    natural layout stays for a mixture's experts); other weights keep the widened oneDNN copy."""
+    panel_linear at every row count, 3-D inputs too, and so does the native layer stack (on the
+    panels, with the bias); other weights keep the widened oneDNN copy."""
     from travelator.model.linear_route import LinearRoute
     from travelator.model.native_linear import panel_linear_weight
     from travelator.model.ops import NativeOps
@@ -72,8 +72,8 @@ def test_native_linear_takes_panels_without_a_bf16_gemm(batch_invariant):
     assert native.linear_route(w) is LinearRoute.PANELS and native.linear_route(odd) is LinearRoute.ONEDNN_FLOAT32
     if not batch_invariant:  # the layer stack's specs follow small_m_linear's switch, off when invariant
         spec = native.streaming_linear(w, bias)
-        assert spec.route is LinearRoute.PANELS and spec.a is w and spec.bias is bias
-        assert torch.equal(spec.b, panel_linear_weight(w))
+        assert spec.route is LinearRoute.PANELS and spec.b is None and spec.bias is bias
+        assert torch.equal(spec.a, panel_linear_weight(w))
     for rows in (1, 3, 17, 64):
         x = torch.randn(rows, 100, generator=g).bfloat16()
         y = native.linear(x, w, bias)

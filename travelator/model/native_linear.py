@@ -297,10 +297,8 @@ class NativeLinear:
         prepared = self._prepared.get(weight)
         if prepared is None or not self._small_m_built or weight.dtype != torch.bfloat16:
             return None  # small_m_linear streams bf16 weights only
-        if prepared.route is LinearRoute.BLOCKED:
+        if prepared.route in (LinearRoute.BLOCKED, LinearRoute.PANELS):  # their kernels take the copy and a bias
             return StreamingLinear(prepared.route, prepared.copy, None, bias, 0, weight.shape[0])
-        if prepared.route is LinearRoute.PANELS:  # panel_linear's panels as b
-            return StreamingLinear(prepared.route, weight, prepared.copy, bias, 0, weight.shape[0])
         if bias is not None:  # small_m_linear takes no bias: the GEMM does
             return None
         return StreamingLinear(prepared.route, weight, None, None, 0, weight.shape[0])

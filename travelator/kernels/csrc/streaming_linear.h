@@ -4,9 +4,8 @@
 //
 // A linear layer i is three entries of `tensors` (a, b, bias) and of `ints` (route, group, N),
 // its route one of linear_route.h's: the oneDNN routes stream bf16 weight a through
-// small_m_linear (no bias: the Python layer takes the GEMM then), the panel route streams its
-// panels b through panel_linear (a: the natural layout, the model's own tensor),
-// the others as that header says.
+// small_m_linear (no bias: the Python layer takes the GEMM then), the blocked and panel routes
+// pass their layout's copy as a, the others as that header says.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -79,8 +78,8 @@ inline T linear(const Kernels& k, const c10::List<std::optional<T>>& tensors, c1
       TORCH_CHECK(k.small_m.has_value() && !bias.has_value(), "no streaming kernel for linear layer ", i);
       return k.small_m->call(x.contiguous(), *a);
     case LinearRoute::kPanels:
-      TORCH_CHECK(k.panels.has_value() && b.has_value(), "no panel kernel for linear layer ", i);
-      return k.panels->call(x.contiguous(), *b, bias);
+      TORCH_CHECK(k.panels.has_value(), "this build has no panel_linear");
+      return k.panels->call(x.contiguous(), *a, bias);
     case LinearRoute::kBlocked:
       TORCH_CHECK(k.blocked.has_value(), "this build has no blocked_linear");
       return k.blocked->call(x.contiguous(), *a, bias);
