@@ -220,6 +220,41 @@ def test_placed_experts_on_two_ranks_add_up_to_the_layer(ops, tokens):
     torch.testing.assert_close(total, want, atol=0.02 * float(want.abs().max()), rtol=0)
 
 
+class SplitRank:
+    """Rank ``rank`` of two under tensor parallelism: each expert split, not placed."""
+
+    size = 2
+    expert_parallel = False
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.skipif(not kernels.available() or not hasattr(torch.ops.travelator, "moe_experts"),
+                    reason="needs the native experts kernel (AVX2 or AVX512-BF16)")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_native_experts_call_adds_a_split_experts_down_bias_on_rank_0_only(rank):
+    """Biased experts split over two ranks: the down bias is added once, by rank 0, before the
+    all-reduce; the native call must leave it out on rank 1 as the Python path does."""
+    arch = replace(ARCH, hidden_size=128, expert_intermediate_size=96, expert_bias=True)
+    moe = SparseMoE(arch, torch.bfloat16, NativeOps(), SplitRank(rank))
+    g = torch.Generator().manual_seed(6)
+    for p in moe.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    moe.ops.prepare([moe.router_weight] + [w for e in moe.experts for w in (e.gate_up_weight, e.down_weight)],
+                    torch.bfloat16)
+    stack = moe.expert_stack()
+    if stack is None:
+        pytest.skip("these kernels stream no biased bf16 layer")
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    experts, _ = moe.route(x)
+    grouped = moe._grouped(x, experts)
+    assert torch.equal(moe.ops.moe_experts(x, experts, stack), grouped)
+
+
 @pytest.mark.skipif(not kernels.available() or not hasattr(torch.ops.travelator, "moe_experts"),
                     reason="needs the native experts kernel (AVX2 or AVX512-BF16)")
 def test_native_experts_call_over_many_rows_keeps_each_tokens_numbers():

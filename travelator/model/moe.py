@@ -64,10 +64,13 @@ class ExpertStack:
     row_kinds: frozenset[tuple[bool, bool, bool]]  # (quantized, int8, blocked) of its weights, as streaming_rows takes them
 
     @staticmethod
-    def of(ops: TorchOps, experts: list[Expert]) -> ExpertStack | None:
+    def of(ops: TorchOps, experts: list[Expert], adds_down_bias: bool) -> ExpertStack | None:
+        """The experts' encoding, their down biases only where this rank adds them
+        (SparseMoE._adds_down_bias), as the Python path does."""
         linears = StreamingLinears()
         for expert in experts:
-            for weight, bias in ((expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, expert.down_bias)):
+            down_bias = expert.down_bias if adds_down_bias else None
+            for weight, bias in ((expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, down_bias)):
                 spec = ops.streaming_linear(weight, bias)
                 if spec is None:
                     return None
@@ -122,7 +125,7 @@ class SparseMoE(nn.Module):
         the first call: the weights are final then), or None where it cannot run them."""
         if not self._stack_gathered:
             silu = self.act == self.ops.silu_and_mul
-            self._stack = ExpertStack.of(self.ops, self.held_experts()) if silu else None
+            self._stack = ExpertStack.of(self.ops, self.held_experts(), self._adds_down_bias) if silu else None
             self._stack_gathered = True
         return self._stack
 
