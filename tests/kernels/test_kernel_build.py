@@ -4,6 +4,7 @@ file names (this torch's and this Python's headers)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -51,6 +52,38 @@ def test_a_dead_builders_lock_file_does_not_stop_the_next_start(tmp_path):
     assert "building" not in err  # loaded from the cache
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to ``pid``'s process group and to each of its descendants' (ninja starts every
+    compile in a group of its own), stopped first so that none starts another meanwhile."""
+    groups = {os.getpgid(pid)}
+    for _ in range(2):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGSTOP)
+        for child in descendants(pid):
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(child))
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
     """A build killed while it compiles: every object but the slowest one's already built (the
     cached build's, as ninja leaves them), so the kill lands in that object's compile and the
@@ -64,7 +97,7 @@ def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
         assert first.poll() is None and time.monotonic() < deadline, "the build never started"
         time.sleep(0.2)
     time.sleep(3)
-    os.killpg(first.pid, signal.SIGKILL)
+    kill_tree(first.pid)
     first.communicate()
     assert list(tmp_path.glob("*/lock")) and not list(tmp_path.glob("*/*.so"))  # killed midway
     out, err = finish(start(tmp_path, RUN), timeout=540)

@@ -10,7 +10,11 @@ kernels), and AMX (Sapphire Rapids).
 
 The sources are compiled together, as one file that includes them all, so torch's headers are
 parsed once a target rather than once a source; where that file does not compile, each source
-is compiled alone, so that a name two sources share cannot fail the check.
+is compiled alone, so that a name two sources share cannot fail the check. The price: a
+branch for another CPU that leans on an include or a declaration an earlier source brought in
+passes here, though its file alone would not compile there (a native build on that CPU, as
+CI's TRAVELATOR_REQUIRE_NATIVE=1 demands, would fail); compiling each file alone for every
+target took several minutes of CI on two cores.
 """
 
 from __future__ import annotations
