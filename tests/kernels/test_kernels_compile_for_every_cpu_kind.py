@@ -64,10 +64,19 @@ def needs_gxx() -> None:
         pytest.skip("no g++")
 
 
-@pytest.mark.parametrize("kind", sorted(CPU_KINDS))
-def test_every_kernel_source_compiles_for(kind, tmp_path):
+@pytest.fixture(scope="module")
+def errors_by_kind(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """sources_errors for every kind, two kinds at a time (each compile takes one core)."""
     needs_gxx()
-    failed = sources_errors([CSRC / s for s in kernels._SOURCES], CPU_KINDS[kind], tmp_path)
+    workdir = tmp_path_factory.mktemp("every_cpu_kind")
+    sources = [CSRC / s for s in kernels._SOURCES]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(CPU_KINDS, pool.map(lambda kind: sources_errors(sources, CPU_KINDS[kind], workdir), CPU_KINDS)))
+
+
+@pytest.mark.parametrize("kind", sorted(CPU_KINDS))
+def test_every_kernel_source_compiles_for(kind, errors_by_kind):
+    failed = errors_by_kind[kind]
     assert failed == {}, f"-march={CPU_KINDS[kind]}:\n" + "\n".join(failed.values())
 
 
