@@ -48,6 +48,10 @@ class Expert(nn.Module):
         self.down_bias = param(hidden, dtype=dtype) if bias else None
 
 
+# An expert's (weight, bias) for its gate/up projection, then for its down projection.
+ExpertProjections = tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
+
+
 # Rows of one expert up to which bf16 experts stream through the native call rather than the GEMM
 # library (docs/benchmarks.md: the MoE rows).
 EXPERT_STREAMING_ROWS = 64
@@ -64,13 +68,12 @@ class ExpertStack:
     row_kinds: frozenset[tuple[bool, bool, bool]]  # (quantized, int8, blocked) of its weights, as streaming_rows takes them
 
     @staticmethod
-    def of(ops: TorchOps, experts: list[Expert], adds_down_bias: bool) -> ExpertStack | None:
-        """The experts' encoding, their down biases only where this rank adds them
-        (SparseMoE._adds_down_bias), as the Python path does."""
+    def of(ops: TorchOps, experts: list[ExpertProjections]) -> ExpertStack | None:
+        """The experts' encoding, each expert's projections as this rank applies them
+        (SparseMoE.projections)."""
         linears = StreamingLinears()
-        for expert in experts:
-            down_bias = expert.down_bias if adds_down_bias else None
-            for weight, bias in ((expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, down_bias)):
+        for projections in experts:
+            for weight, bias in projections:
                 spec = ops.streaming_linear(weight, bias)
                 if spec is None:
                     return None
@@ -120,12 +123,18 @@ class SparseMoE(nn.Module):
         """The experts whose weights this rank holds."""
         return [e for e, held in zip(self.experts, self._held.tolist()) if held]
 
+    def projections(self, expert: Expert) -> ExpertProjections:
+        """The expert's projections as this rank applies them: a split expert's down bias on
+        rank 0 only (the all-reduce sums the ranks' shares), a placed one's on its rank."""
+        down_bias = expert.down_bias if self._adds_down_bias else None
+        return (expert.gate_up_weight, expert.gate_up_bias), (expert.down_weight, down_bias)
+
     def expert_stack(self) -> ExpertStack | None:
         """The held experts' projections as the native experts call takes them (gathered at
         the first call: the weights are final then), or None where it cannot run them."""
         if not self._stack_gathered:
             silu = self.act == self.ops.silu_and_mul
-            self._stack = ExpertStack.of(self.ops, self.held_experts(), self._adds_down_bias) if silu else None
+            self._stack = ExpertStack.of(self.ops, [self.projections(e) for e in self.held_experts()]) if silu else None
             self._stack_gathered = True
         return self._stack
 
@@ -169,7 +178,7 @@ class SparseMoE(nn.Module):
             start += count
             if count == 0 or not here:
                 continue
-            h = self.ops.linear(x[rows // self.top_k], expert.gate_up_weight, expert.gate_up_bias)
-            down_bias = expert.down_bias if self._adds_down_bias else None
-            out[rows] = self.ops.linear(self.act(h), expert.down_weight, down_bias)
+            (gate_up, gate_up_bias), (down, down_bias) = self.projections(expert)
+            h = self.ops.linear(x[rows // self.top_k], gate_up, gate_up_bias)
+            out[rows] = self.ops.linear(self.act(h), down, down_bias)
         return out
