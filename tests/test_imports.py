@@ -1,4 +1,6 @@
-"""The torch-free parts stay torch-free: importing them loads neither torch nor tqdm.
+"""The torch-free parts stay torch-free: importing them loads neither torch nor tqdm; and
+the processes that run an engine do not load torch's compiler stack, which would add seconds
+to every start.
 
 Each check runs in a fresh interpreter, since this one has long since imported torch.
 """
@@ -20,9 +22,9 @@ TORCH_FREE = [
 ]
 
 
-def loaded_after_import(module: str) -> set[str]:
+def loaded_after_import(module: str, watched: tuple[str, ...] = ("torch", "tqdm", "numpy")) -> set[str]:
     code = (f"import sys, {module}; "
-            "print(' '.join(m for m in ('torch', 'tqdm', 'numpy') if m in sys.modules))")
+            f"print(' '.join(m for m in {watched!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
 
@@ -41,3 +43,14 @@ def test_the_package_exports_still_load_on_use():
 def test_the_check_can_fail():
     """The probe does see torch when a module loads it."""
     assert "torch" in loaded_after_import("travelator.llm")
+
+
+# What an engine process imports: the command line, a tensor-parallel worker, the server.
+ENGINE_ENTRY_POINTS = ["travelator.cli", "travelator.engine.tp_worker", "travelator.server.app"]
+
+
+@pytest.mark.parametrize("module", ENGINE_ENTRY_POINTS)
+def test_an_engine_process_does_not_load_torchs_compiler(module):
+    """llguidance's torch helpers apply torch.compile at import: structured outputs import
+    them at their first mask (engine/grammar_masks.py), not every process at its start."""
+    assert loaded_after_import(module, ("torch", "torch._dynamo")) == {"torch"}
