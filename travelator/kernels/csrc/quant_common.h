@@ -62,10 +62,12 @@ constexpr int64_t kInt8Block = 128;   // inputs per block of x's integer form (i
 constexpr int32_t kXMax = 32512;      // 127 * 256: hi stays a signed byte
 constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zero
 
-// x in integers: per row, hi and lo bytes [K] and per block its scale and sum of xi.
+// x in integers: per row xi [K] in the form the tiles take, and per block its scale and sum
+// of xi.
 struct IntegerX {
-  std::vector<int8_t> hi, lo;
-  std::vector<int16_t> xi16;  // xi itself: the AVX2 int8 tiles' operand
+  std::vector<int8_t> hi, lo;  // xi's signed bytes: the AVX-512 tiles' operands
+  std::vector<int16_t> xi16;   // xi itself: the AVX2 int8 tiles' operand
+  std::vector<int16_t> pairs;  // xi in the AVX2 int4 tiles' pair order (quant_tiles_avx2.h)
   std::vector<float> scale;
   std::vector<int32_t> sum;
   int64_t K = 0, block = 0, blocks = 0;

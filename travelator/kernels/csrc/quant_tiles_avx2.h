@@ -22,10 +22,10 @@ namespace travelator::quant {
 // AVX2 has no vpdpbusd; the same exact integer sums come from other instructions:
 //   int8: u widened to 16 bits and xi as it is (16-bit), vpmaddwd: pairs of products into
 //         int32, at most 2 * 255 * 32512 each, so a block of 128 inputs stays below 2^31;
-//   int4: vpmaddubsw (unsigned bytes times signed bytes, pairs into int16, saturating) on
-//         the codes' levels and x's hi and lo bytes: a level is at most 24 (e2m1; 15 for
-//         uniform int4), so two pairs add up to at most 4 * 24 * 128 and nothing saturates; vpmaddwd by 256 or by 1 then widens the hi and
-//         lo sums, so one int32 vector holds a group's 256 (u . hi) + (u . lo).
+//   int4: the codes' levels (at most 24: e2m1; 15 for uniform int4) widened to 16 bits in
+//         place (a shift and a mask each) and xi as it is, vpmaddwd: the same int32 sums
+//         u . xi = 256 (u . hi) + (u . lo), from four multiplies per 64 weights and row where
+//         vpmaddubsw on the hi and lo bytes took six.
 // The integer sums are the AVX-512 kernel's and so are the float steps, lane for lane, so a
 // row comes out of both with the same bits.
 #define TRAVELATOR_QUANT_KERNEL 1
@@ -47,12 +47,20 @@ inline float max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
+// xi[k..k+8) as 8 int16 in order, and in the int4 tiles' pair order (k, k+2, k+1, k+3, k+4,
+// k+6, k+5, k+7): see tile_int4.
+inline void store_xi(__m256i xi, int16_t* plain, int16_t* pairs) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1));  // |xi| <= kXMax
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(plain), w);
+  const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), _mm_shuffle_epi8(w, order));
+}
+
 template <typename scalar_t>
 IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, int64_t block) {
   IntegerX r;
   r.K = K_padded, r.block = block, r.blocks = K_padded / block;
-  r.hi.assign(M * K_padded, 0), r.lo.assign(M * K_padded, 0);
-  r.xi16.assign(M * K_padded, 0);
+  r.xi16.assign(M * K_padded, 0), r.pairs.assign(M * K_padded, 0);
   r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m) {
@@ -78,20 +86,12 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
       const __m256 inv = _mm256_set1_ps(kXMax / top);
       const __m256i lim = _mm256_set1_epi32(kXMax), neg_lim = _mm256_set1_epi32(-kXMax);
       __m256i sum = _mm256_setzero_si256();
-      for (int64_t k = k0; k < k1; k += 8) {
+      for (int64_t k = k0; k < k1; k += 8) {  // k + 8 <= K_padded: lanes past k1 are 0
         // Round to nearest even (the default rounding mode), then clamp.
         __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(row + k, k1 - k), inv));
         xi = _mm256_max_epi32(_mm256_min_epi32(xi, lim), neg_lim);
-        sum = _mm256_add_epi32(sum, xi);  // lanes past k1 are 0
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), xi);
-        for (int64_t i = 0; i < std::min<int64_t>(8, k1 - k); ++i) {
-          const int8_t lo = static_cast<int8_t>(lanes[i] & 0xFF);  // low byte, signed
-          const int8_t hi = static_cast<int8_t>((lanes[i] - lo) / 256);
-          const int64_t at = m * K_padded + k + i;
-          r.lo[at] = lo, r.hi[at] = hi;
-          r.xi16[at] = static_cast<int16_t>(lanes[i]);
-        }
+        sum = _mm256_add_epi32(sum, xi);
+        store_xi(xi, &r.xi16[m * K_padded + k], &r.pairs[m * K_padded + k]);
       }
       const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
       const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
@@ -102,19 +102,37 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
   return r;
 }
 
-inline __m256i bcast4(const int8_t* p) {
+inline __m256i bcast4(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
 
-// acc + 256 (u . hi) + (u . lo) over 8 inputs: u0 the levels of the first 4 (low nibbles), u1
-// of the next 4. Two int16 pairs add up to at most 4 * 24 * 128: no saturation.
-inline __m256i dot_int4(__m256i acc, __m256i u0, __m256i u1, __m256i hi0, __m256i lo0, __m256i hi1, __m256i lo1) {
-  const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(u0, hi0), _mm256_maddubs_epi16(u1, hi1));
-  const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(u0, lo0), _mm256_maddubs_epi16(u1, lo1));
-  const __m256i h = _mm256_madd_epi16(ph, _mm256_set1_epi16(256)), l = _mm256_madd_epi16(pl, _mm256_set1_epi16(1));
-  return _mm256_add_epi32(acc, _mm256_add_epi32(h, l));
+// The levels of a vector's 8 inputs of 8 rows as 16-bit pairs, matching x's pair order: a row's
+// 32-bit lane holds bytes j = 0..3, input k + j in the low nibble and k + 4 + j in the high one,
+// so its two 16-bit halves give (k, k+2) as low nibbles of their low bytes, (k+1, k+3) of their
+// high bytes, (k+4, k+6) and (k+5, k+7) as the high nibbles.
+template <bool E2M1>
+inline void levels16(__m256i d, __m256i levels, __m256i (&u)[4]) {
+  const __m256i low4 = _mm256_set1_epi16(0x000F), low8 = _mm256_set1_epi16(0x00FF);
+  if constexpr (E2M1) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i l0 = _mm256_shuffle_epi8(levels, _mm256_and_si256(d, nibble));
+    const __m256i l1 = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble));
+    u[0] = _mm256_and_si256(l0, low8), u[1] = _mm256_srli_epi16(l0, 8);
+    u[2] = _mm256_and_si256(l1, low8), u[3] = _mm256_srli_epi16(l1, 8);
+  } else {
+    u[0] = _mm256_and_si256(d, low4), u[1] = _mm256_and_si256(_mm256_srli_epi16(d, 8), low4);
+    u[2] = _mm256_and_si256(_mm256_srli_epi16(d, 4), low4), u[3] = _mm256_srli_epi16(d, 12);
+  }
+}
+
+// acc + sum of u . xi over 8 inputs: vpmaddwd of the 16-bit levels by x's pairs, each product
+// at most 24 * 32512, so the int32 sums are exact.
+inline __m256i dot_int4(__m256i acc, const __m256i (&u)[4], const __m256i (&xp)[4]) {
+  const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(u[0], xp[0]), _mm256_madd_epi16(u[1], xp[1]));
+  const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(u[2], xp[2]), _mm256_madd_epi16(u[3], xp[3]));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(a, b));
 }
 
 // The int4 tiles' prefetch: the 4 lines of a step 2 KB on (as in the AVX-512 kernel; 4 and 8 KB
@@ -195,7 +213,6 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const GroupPara
                int64_t out_stride) {
   constexpr int RG = 4 / MR;
   const int64_t K = xi.K;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Levels)));
   for (int64_t m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
@@ -210,17 +227,13 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const GroupPara
       for (int64_t k = k0; k < k0 + xi.block; k += 8) {
         const uint8_t* wk = w + k / 2 * kTileRows;  // 8 vectors of 32 bytes: 8 inputs of 64 rows
         if (v0 == 0) prefetch_ahead(wk);
-        __m256i hi0[MR], lo0[MR], hi1[MR], lo1[MR];
-        for (int64_t m = 0; m < MR; ++m) {
-          const int64_t at = (m0 + m) * K + k;
-          hi0[m] = bcast4(&xi.hi[at]), lo0[m] = bcast4(&xi.lo[at]);
-          hi1[m] = bcast4(&xi.hi[at + 4]), lo1[m] = bcast4(&xi.lo[at + 4]);
-        }
+        __m256i xp[MR][4];
+        for (int64_t m = 0; m < MR; ++m)
+          for (int j = 0; j < 4; ++j) xp[m][j] = bcast4(&xi.pairs[(m0 + m) * K + k + 2 * j]);
         for (int v = 0; v < RG; ++v) {
-          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32));
-          __m256i u0 = _mm256_and_si256(d, nibble), u1 = _mm256_and_si256(_mm256_srli_epi16(d, 4), nibble);
-          if constexpr (E2M1) u0 = _mm256_shuffle_epi8(levels, u0), u1 = _mm256_shuffle_epi8(levels, u1);
-          for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int4(acc[m][v], u0, u1, hi0[m], lo0[m], hi1[m], lo1[m]);
+          __m256i u[4];
+          levels16<E2M1>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32)), levels, u);
+          for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int4(acc[m][v], u, xp[m]);
         }
       }
       for (int64_t m = 0; m < MR; ++m) {
