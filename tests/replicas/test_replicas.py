@@ -213,6 +213,21 @@ def _read_stream(response: httpx.Response, out: dict) -> None:
     out["events"] = events
 
 
+def _health_until_restarted(front, victim: int) -> list[str]:
+    """The front end's health status, polled until it is "ok" after "degraded" (or 180 s)."""
+    seen, deadline = [], time.monotonic() + 180
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{front.base_url}/health", timeout=10)
+        assert health.status_code == 200
+        seen.append(health.json()["status"])
+        if seen[-1] == "degraded":  # meanwhile the other replica takes every request
+            assert _complete(front, SYSTEM["a"] + USERS[0]) != victim
+        if seen[-1] == "ok" and "degraded" in seen:
+            break
+        time.sleep(0.1)
+    return seen
+
+
 def test_killed_replica_fails_only_its_requests_and_restarts(front):
     long = {"max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
     with (httpx.stream("POST", f"{front.base_url}/v1/completions", timeout=120,
@@ -226,23 +241,15 @@ def test_killed_replica_fails_only_its_requests_and_restarts(front):
         reader = threading.Thread(target=_read_stream, args=(survivor, survivor_out))
         reader.start()
         _read_stream(doomed, doomed_out)
+        # Watched from the doomed stream's end, while the survivor still streams: a replica
+        # restarts within seconds, before the survivor's 1500 tokens are out.
+        seen = _health_until_restarted(front, victim)
         reader.join()
     assert json.loads(doomed_out["events"][-1])["error"]["code"] == "replica_failed"
     assert survivor_out["events"][-1] == "[DONE]"
     finish = [json.loads(e)["choices"][0]["finish_reason"] for e in survivor_out["events"][:-1]
               if json.loads(e)["choices"]]
     assert finish[-1] == "length"
-
-    seen, deadline = [], time.monotonic() + 180
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{front.base_url}/health", timeout=10)
-        assert health.status_code == 200
-        seen.append(health.json()["status"])
-        if seen[-1] == "degraded":  # meanwhile the other replica takes every request
-            assert _complete(front, SYSTEM["a"] + USERS[0]) != victim
-        if seen[-1] == "ok" and "degraded" in seen:
-            break
-        time.sleep(0.1)
     assert "degraded" in seen and seen[-1] == "ok", seen
     assert _health(front)["replicas"][victim]["restarts"] == 1
     text = httpx.get(f"{front.base_url}/metrics", timeout=10).text
