@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
+import llguidance.numpy
+import numpy as np
 import torch
 
 from travelator.engine.grammar_compiler import GrammarCompiler
@@ -28,19 +30,10 @@ from travelator.model.ops import TorchOps
 from travelator.sampling_params import SamplingParams
 
 
-def _bitmasks():
-    """llguidance's torch helpers, imported at the first constrained step: that module applies
-    torch.compile when imported, which loads torch's compiler stack (seconds of every engine
-    process's start) that a run without structured outputs never needs."""
-    import llguidance.torch
-
-    return llguidance.torch
-
-
 @dataclass(frozen=True, slots=True)
 class _NextMasks:
     """Masks filled ahead, one row per request id, for the matchers' current states."""
-    masks: torch.Tensor  # [rows, words] int32, no more rows than matchers
+    masks: np.ndarray  # [rows, words] int32, no more rows than matchers
     row_of: dict[str, int]
     matchers: dict[str, llguidance.LLMatcher]  # the matcher each row was filled from, in row order
 
@@ -102,19 +95,19 @@ class GrammarMasks:
         if ahead is not None and not to_fill and not with_drafts and sources == list(range(len(ahead.matchers))):
             masks = ahead.masks  # the usual step: the same rows in the same order
         else:
-            masks = _bitmasks().allocate_token_bitmask(len(rows), self._vocab_size)
+            masks = llguidance.numpy.allocate_token_bitmask(len(rows), self._vocab_size)
             kept = [(k, src) for k, src in enumerate(sources) if src >= 0]
             if kept:
                 dst, src = zip(*kept)
                 masks[list(dst)] = ahead.masks[list(src)]
             if to_fill:
-                _bitmasks().fill_next_token_bitmask_par(self._llexecutor, to_fill, masks)
+                llguidance.numpy.fill_next_token_bitmask_par(self._llexecutor, to_fill, masks)
             if with_drafts:
                 # Rows after a draft the grammar refuses stay all-allowed: the sample before
                 # them cannot equal that draft, so they are never used.
-                _bitmasks().fill_next_token_bitmask_par_with_draft_tokens(self._llexecutor, with_drafts, masks)
+                llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._llexecutor, with_drafts, masks)
         index = torch.tensor([row for row, *_ in rows], dtype=torch.long, device=logits.device)
-        self._ops.apply_token_bitmask(logits, masks.to(logits.device), index)
+        self._ops.apply_token_bitmask(logits, torch.from_numpy(masks).to(logits.device), index)
 
     def advance(self, sampled: list[tuple[str, list[int]]]) -> dict[str, str]:
         """Advance each (request id, tokens it kept this step)'s matcher (here: a refused
@@ -141,8 +134,8 @@ class GrammarMasks:
         return failed
 
     def _fill(self, live: list[tuple[str, llguidance.LLMatcher]]) -> _NextMasks:
-        masks = _bitmasks().allocate_token_bitmask(len(live), self._vocab_size)
-        _bitmasks().fill_next_token_bitmask_par(
+        masks = llguidance.numpy.allocate_token_bitmask(len(live), self._vocab_size)
+        llguidance.numpy.fill_next_token_bitmask_par(
             self._llexecutor, [(matcher, k) for k, (_, matcher) in enumerate(live)], masks)
         return _NextMasks(masks, {rid: k for k, (rid, _) in enumerate(live)}, dict(live))
 
