@@ -446,8 +446,8 @@ def test_the_native_quantized_kernels_match_the_weight_they_stand_for(method, k,
 
 def test_mxfp4_codes_at_their_largest_levels_are_exact():
     """The e2m1 codes of +6 and -6 (levels 24 and 0, the widest the kernel's unsigned bytes
-    take) against x of magnitude 1 (its own integer form): the AVX2 kernel's int16 pair sums
-    reach their largest; the result is the float64 product to float32 rounding."""
+    take) against x of magnitude 1 (its own integer form): the integer sums' largest
+    products; the result is the float64 product to float32 rounding."""
     ops = _native_ops()
     g = torch.Generator().manual_seed(6)
     codes = torch.where(torch.rand(136, 1024, generator=g) < 0.5, 7, 15)

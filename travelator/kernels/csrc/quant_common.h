@@ -66,8 +66,7 @@ constexpr float kXMinTop = 1e-30f;    // blocks of x below this are taken as zer
 // of xi.
 struct IntegerX {
   std::vector<int8_t> hi, lo;  // xi's signed bytes: the AVX-512 tiles' operands
-  std::vector<int16_t> xi16;   // xi itself: the AVX2 int8 tiles' operand
-  std::vector<int16_t> pairs;  // xi in the AVX2 int4 tiles' pair order (quant_tiles_avx2.h)
+  std::vector<int16_t> pairs;  // xi in the AVX2 tiles' pair order (quant_tiles_avx2.h)
   std::vector<float> scale;
   std::vector<int32_t> sum;
   int64_t K = 0, block = 0, blocks = 0;

@@ -8,10 +8,10 @@
 // x is written exactly enough in integers: per row and block of inputs (the int4 group, or
 // 128 inputs for int8), x ~ xs * xi with xi = round(x / xs) a 16-bit integer
 // (|xi| <= 32512, xs = max |x| / 32512, an error under 2^-16 of the block's largest |x|:
-// finer than bf16's own rounding of that element), split into signed bytes xi = 256 hi + lo.
-// Weights are unsigned bytes u (int8: u = q + 128; int4: the code, 0..15), so
-//   sum_k u xi = 256 sum_k u hi + sum_k u lo
-// is an exact int32 per block, and the block adds to the float sum:
+// finer than bf16's own rounding of that element). Weights are unsigned bytes u (int8:
+// u = q + 128; int4: the code, 0..15), so sum_k u xi is an exact int32 per block (AVX-512
+// takes it as 256 sum_k u hi + sum_k u lo over xi's signed bytes, xi = 256 hi + lo; AVX2
+// multiplies xi itself), and the block adds to the float sum:
 //   int8 (w = scale[n] q):                 xs (sum u xi - 128 sum xi), times scale[n] at the end
 //   int4 (w = (u - 8) s + z, per group):   xs (s (sum u xi - 8 sum xi) + z sum xi)
 // where for e2m1 int4 weights (MXFP4) u is the code's level (quant_common.h), not the code.
@@ -26,7 +26,7 @@
 // over threads, so a row's result does not depend on the other rows of x.
 //
 // Built where the compiler targets AVX512-VNNI and AVX512-BW, or AVX2 (the same sums from
-// vpmaddubsw and vpmaddwd, see there); the Python side dequantizes and calls torch's matmul
+// vpmaddwd, see quant_tiles_avx2.h); the Python side dequantizes and calls torch's matmul
 // elsewhere (quant_dequantize.cpp).
 
 #include <ATen/Parallel.h>

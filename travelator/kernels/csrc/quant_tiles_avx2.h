@@ -20,12 +20,12 @@ namespace travelator::quant {
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(TRAVELATOR_VEC8)
 // AVX2 has no vpdpbusd; the same exact integer sums come from other instructions:
-//   int8: u widened to 16 bits and xi as it is (16-bit), vpmaddwd: pairs of products into
-//         int32, at most 2 * 255 * 32512 each, so a block of 128 inputs stays below 2^31;
+//   int8: u widened to 16 bits in place (even and odd bytes) and xi as it is (16-bit),
+//         vpmaddwd: pairs of products into int32, at most 2 * 255 * 32512 each, so a block
+//         of 128 inputs stays below 2^31;
 //   int4: the codes' levels (at most 24: e2m1; 15 for uniform int4) widened to 16 bits in
-//         place (a shift and a mask each) and xi as it is, vpmaddwd: the same int32 sums
-//         u . xi = 256 (u . hi) + (u . lo), from four multiplies per 64 weights and row where
-//         vpmaddubsw on the hi and lo bytes took six.
+//         place (a shift and a mask each) and xi as it is, vpmaddwd: four multiplies per 64
+//         weights and row.
 // The integer sums are the AVX-512 kernel's and so are the float steps, lane for lane, so a
 // row comes out of both with the same bits.
 #define TRAVELATOR_QUANT_KERNEL 1
@@ -47,11 +47,10 @@ inline float max8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
-// xi[k..k+8) as 8 int16 in order, and in the int4 tiles' pair order (k, k+2, k+1, k+3, k+4,
-// k+6, k+5, k+7): see tile_int4.
-inline void store_xi(__m256i xi, int16_t* plain, int16_t* pairs) {
+// xi[k..k+8) as int16 in the tiles' pair order (k, k+2, k+1, k+3, k+4, k+6, k+5, k+7): see
+// tile_int8 and tile_int4.
+inline void store_pairs(__m256i xi, int16_t* pairs) {
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1));  // |xi| <= kXMax
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(plain), w);
   const __m128i order = _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), _mm_shuffle_epi8(w, order));
 }
@@ -60,7 +59,7 @@ template <typename scalar_t>
 IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, int64_t block) {
   IntegerX r;
   r.K = K_padded, r.block = block, r.blocks = K_padded / block;
-  r.xi16.assign(M * K_padded, 0), r.pairs.assign(M * K_padded, 0);
+  r.pairs.assign(M * K_padded, 0);
   r.scale.assign(M * r.blocks, 0.0f), r.sum.assign(M * r.blocks, 0);
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m) {
@@ -91,7 +90,7 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
         __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(row + k, k1 - k), inv));
         xi = _mm256_max_epi32(_mm256_min_epi32(xi, lim), neg_lim);
         sum = _mm256_add_epi32(sum, xi);
-        store_xi(xi, &r.xi16[m * K_padded + k], &r.pairs[m * K_padded + k]);
+        store_pairs(xi, &r.pairs[m * K_padded + k]);
       }
       const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
       const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
@@ -141,26 +140,26 @@ inline void prefetch_ahead(const uint8_t* wk) {
   for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + 2048 + 64 * line, _MM_HINT_T0);
 }
 
-// One tile of 64 output rows (8 vectors of 8) against MR rows of x, int8 weights. Sixteen
-// registers do not hold 8 vectors' sums for several rows, so each block of inputs (8 KB of
-// the tile, which stays in L1) is taken in passes of 4 / MR vectors. The running float sums
-// live in `out`.
+// One tile of 64 output rows (8 vectors of 8) against MR rows of x, int8 weights. A vector's
+// 32 bytes are 8 rows x 4 inputs: its even bytes (k, k+2 of each row) and odd ones (k+1, k+3)
+// as 16-bit lanes, times x's pairs, give each row's sum in its own lane. Each block of inputs
+// (8 KB of the tile, which stays in L1) is taken in two passes of 4 vectors. The running float
+// sums live in `out`.
 template <int64_t MR>
 void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
                int64_t out_stride) {
-  constexpr int RG = 4 / MR;  // vectors per pass
+  constexpr int RG = 4;  // vectors per pass (8 for one row measured no faster; fewer slower at 4 rows)
   constexpr int64_t kPasses = kVectors / RG;
   const int64_t K = xi.K;
+  const __m256i low8 = _mm256_set1_epi16(0x00FF);
   for (int64_t m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
   for (int64_t b = 0; b < xi.blocks; ++b) {
     const int64_t k0 = b * xi.block;
     for (int v0 = 0; v0 < kVectors; v0 += RG) {
-      // Per vector two sums: rows 0-3 and 4-7 of its 8, each row in two lanes (inputs k, k+1
-      // and k+2, k+3).
-      __m256i acc[MR][RG][2];
+      __m256i acc[MR][RG];
       for (int64_t m = 0; m < MR; ++m)
-        for (int v = 0; v < RG; ++v) acc[m][v][0] = acc[m][v][1] = _mm256_setzero_si256();
+        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
       // Each step of each pass prefetches its share of the next block (4 lines a step over the
       // passes): memory stays busy through every pass over this block, not the first alone.
       const char* next = reinterpret_cast<const char*>(w + (k0 + xi.block) * kTileRows);
@@ -170,30 +169,26 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
         const int64_t slot = first_slot + (k - k0) / 4;
         for (int64_t line = slot * 4 / kPasses; line < (slot + 1) * 4 / kPasses; ++line)
           _mm_prefetch(next + 64 * line, _MM_HINT_T0);
-        __m256i xv[MR];  // xi[k..k+3] in every 64 bits
+        __m256i even[MR], odd[MR];  // x's pairs (k, k+2) and (k+1, k+3) in every lane
         for (int64_t m = 0; m < MR; ++m) {
-          int64_t four;
-          std::memcpy(&four, &xi.xi16[(m0 + m) * K + k], 8);
-          xv[m] = _mm256_set1_epi64x(four);
+          const int16_t* at = &xi.pairs[(m0 + m) * K + k];
+          even[m] = bcast4(at), odd[m] = bcast4(at + 2);
         }
         for (int v = 0; v < RG; ++v) {
-          const __m128i* d = reinterpret_cast<const __m128i*>(wk + (v0 + v) * 32);
-          const __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(d)), u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(d + 1));
-          for (int64_t m = 0; m < MR; ++m) {
-            acc[m][v][0] = _mm256_add_epi32(acc[m][v][0], _mm256_madd_epi16(u0, xv[m]));
-            acc[m][v][1] = _mm256_add_epi32(acc[m][v][1], _mm256_madd_epi16(u1, xv[m]));
-          }
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32));
+          const __m256i ue = _mm256_and_si256(d, low8), uo = _mm256_srli_epi16(d, 8);
+          for (int64_t m = 0; m < MR; ++m)
+            acc[m][v] = _mm256_add_epi32(acc[m][v], _mm256_add_epi32(_mm256_madd_epi16(ue, even[m]),
+                                                                     _mm256_madd_epi16(uo, odd[m])));
         }
       }
       for (int64_t m = 0; m < MR; ++m) {
         const int64_t mb = (m0 + m) * xi.blocks + b;
         const __m256i offset = _mm256_set1_epi32(128 * xi.sum[mb]);
         const __m256 scale = _mm256_set1_ps(xi.scale[mb]);
-        for (int v = 0; v < RG; ++v) {
-          // Lanes (0 1 4 5 | 2 3 6 7) of the row sums, then in row order: sum u xi - 128 sum xi.
-          const __m256i rows = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][v][0], acc[m][v][1]), 0xD8);
+        for (int v = 0; v < RG; ++v) {  // sum u xi - 128 sum xi, a row a lane
           float* tot = out + m * out_stride + (v0 + v) * 8;
-          const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(rows, offset));
+          const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][v], offset));
           _mm256_storeu_ps(tot, _mm256_fmadd_ps(a, scale, _mm256_loadu_ps(tot)));
         }
       }
