@@ -32,6 +32,9 @@ namespace travelator::quant {
 constexpr int64_t kRowsPerTile = 4;  // rows of x a tile is read for at once
 constexpr bool kPairTiles = false;   // a tile at a time, whatever M
 constexpr int kVectors = 8;          // vectors of 8 output rows in a tile
+// Vectors a pass over a block of inputs takes, whatever the rows of x (their sums may not all
+// stay in registers): fewer were slower at 2 to 16 rows, 8 no faster at one.
+constexpr int kPassVectors = 4;
 
 template <typename scalar_t>
 inline __m256 load8(const scalar_t* p, int64_t n) {
@@ -143,27 +146,26 @@ inline void prefetch_ahead(const uint8_t* wk) {
 // One tile of 64 output rows (8 vectors of 8) against MR rows of x, int8 weights. A vector's
 // 32 bytes are 8 rows x 4 inputs: its even bytes (k, k+2 of each row) and odd ones (k+1, k+3)
 // as 16-bit lanes, times x's pairs, give each row's sum in its own lane. Each block of inputs
-// (8 KB of the tile, which stays in L1) is taken in two passes of 4 vectors. The running float
+// (8 KB of the tile, which stays in L1) is taken in passes of kPassVectors vectors. The running float
 // sums live in `out`.
 template <int64_t MR>
 void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* row_scale, float* out,
                int64_t out_stride) {
-  constexpr int RG = 4;  // vectors per pass (8 for one row measured no faster; fewer slower at 4 rows)
-  constexpr int64_t kPasses = kVectors / RG;
+  constexpr int64_t kPasses = kVectors / kPassVectors;
   const int64_t K = xi.K;
   const __m256i low8 = _mm256_set1_epi16(0x00FF);
   for (int64_t m = 0; m < MR; ++m)
     for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + m * out_stride + v * 8, _mm256_setzero_ps());
   for (int64_t b = 0; b < xi.blocks; ++b) {
     const int64_t k0 = b * xi.block;
-    for (int v0 = 0; v0 < kVectors; v0 += RG) {
-      __m256i acc[MR][RG];
+    for (int v0 = 0; v0 < kVectors; v0 += kPassVectors) {
+      __m256i acc[MR][kPassVectors];
       for (int64_t m = 0; m < MR; ++m)
-        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
+        for (int v = 0; v < kPassVectors; ++v) acc[m][v] = _mm256_setzero_si256();
       // Each step of each pass prefetches its share of the next block (4 lines a step over the
       // passes): memory stays busy through every pass over this block, not the first alone.
       const char* next = reinterpret_cast<const char*>(w + (k0 + xi.block) * kTileRows);
-      const int64_t first_slot = v0 / RG * (xi.block / 4);
+      const int64_t first_slot = v0 / kPassVectors * (xi.block / 4);
       for (int64_t k = k0; k < k0 + xi.block; k += 4) {
         const uint8_t* wk = w + k * kTileRows;  // 8 vectors of 32 bytes
         const int64_t slot = first_slot + (k - k0) / 4;
@@ -174,7 +176,7 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
           const int16_t* at = &xi.pairs[(m0 + m) * K + k];
           even[m] = bcast4(at), odd[m] = bcast4(at + 2);
         }
-        for (int v = 0; v < RG; ++v) {
+        for (int v = 0; v < kPassVectors; ++v) {
           const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32));
           const __m256i ue = _mm256_and_si256(d, low8), uo = _mm256_srli_epi16(d, 8);
           for (int64_t m = 0; m < MR; ++m)
@@ -186,7 +188,7 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
         const int64_t mb = (m0 + m) * xi.blocks + b;
         const __m256i offset = _mm256_set1_epi32(128 * xi.sum[mb]);
         const __m256 scale = _mm256_set1_ps(xi.scale[mb]);
-        for (int v = 0; v < RG; ++v) {  // sum u xi - 128 sum xi, a row a lane
+        for (int v = 0; v < kPassVectors; ++v) {  // sum u xi - 128 sum xi, a row a lane
           float* tot = out + m * out_stride + (v0 + v) * 8;
           const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][v], offset));
           _mm256_storeu_ps(tot, _mm256_fmadd_ps(a, scale, _mm256_loadu_ps(tot)));
@@ -206,7 +208,6 @@ void tile_int8(const IntegerX& xi, int64_t m0, const uint8_t* w, const float* ro
 template <int64_t MR, bool E2M1>
 void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const GroupParam<E2M1>* sz, float* out,
                int64_t out_stride) {
-  constexpr int RG = 4 / MR;
   const int64_t K = xi.K;
   const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Levels)));
   for (int64_t m = 0; m < MR; ++m)
@@ -215,17 +216,17 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const GroupPara
     const int64_t k0 = g * xi.block;
     const GroupParam<E2M1>* s = sz + g * 2 * kTileRows;
     const GroupParam<E2M1>* z = s + kTileRows;
-    for (int v0 = 0; v0 < kVectors; v0 += RG) {
-      __m256i acc[MR][RG];
+    for (int v0 = 0; v0 < kVectors; v0 += kPassVectors) {
+      __m256i acc[MR][kPassVectors];
       for (int64_t m = 0; m < MR; ++m)
-        for (int v = 0; v < RG; ++v) acc[m][v] = _mm256_setzero_si256();
+        for (int v = 0; v < kPassVectors; ++v) acc[m][v] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k0 + xi.block; k += 8) {
         const uint8_t* wk = w + k / 2 * kTileRows;  // 8 vectors of 32 bytes: 8 inputs of 64 rows
         if (v0 == 0) prefetch_ahead(wk);
         __m256i xp[MR][4];
         for (int64_t m = 0; m < MR; ++m)
           for (int j = 0; j < 4; ++j) xp[m][j] = bcast4(&xi.pairs[(m0 + m) * K + k + 2 * j]);
-        for (int v = 0; v < RG; ++v) {
+        for (int v = 0; v < kPassVectors; ++v) {
           __m256i u[4];
           levels16<E2M1>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + (v0 + v) * 32)), levels, u);
           for (int64_t m = 0; m < MR; ++m) acc[m][v] = dot_int4(acc[m][v], u, xp[m]);
@@ -236,7 +237,7 @@ void tile_int4(const IntegerX& xi, int64_t m0, const uint8_t* w, const GroupPara
         const __m256i offset = _mm256_set1_epi32(8 * xi.sum[mg]);
         const __m256 xs = _mm256_set1_ps(xi.scale[mg]);
         const __m256 zx = _mm256_set1_ps(xi.scale[mg] * static_cast<float>(xi.sum[mg]));
-        for (int v = 0; v < RG; ++v) {
+        for (int v = 0; v < kPassVectors; ++v) {
           const int r = (v0 + v) * 8;
           float* tot = out + m * out_stride + r;
           const __m256 sxs = _mm256_mul_ps(v8::load(s + r), xs);
