@@ -18,135 +18,276 @@ namespace travelator::attention {
 namespace v8 = travelator::vec8;
 
 // AVX2 path (8 floats a vector), for head_dim 32, 64, 128 or 256 on CPUs without AVX-512.
-// One KV head at a time, keys in chunks of kRowKeyChunk absolute positions (as the
-// portable path); per row and chunk: the scores (a dot product per key, read in place from
-// the cache and widened to float, then summed across lanes in a fixed order), an
-// online-softmax update with an 8-lane exp, and p.V with the row's accumulators held in
-// registers. Every row goes through the same instructions whatever else is in the call.
+// Keys in chunks of kRowKeyChunk absolute positions (as the portable path), read in place.
+// The rows of one query that share a KV head (its query heads: they see the same keys) are
+// taken kRowBlock at a time, so that each key and value row is read and widened once for
+// all of them. Per row and chunk: the scores (a dot product per key; the lanes of 8 keys
+// summed at once, in a fixed order per key), an online-softmax update with an 8-lane exp,
+// and p.V with the rows' accumulators held in registers. A row's every operation is the same
+// whatever the other rows of its block or call, so its result is.
 inline float max8(__m256 v) {
   const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
-// acc[0 .. 8 * kVecs) += sum over the keys j < n of p[j] v_j[0 .. 8 * kVecs), in order.
-template <typename cache_t, int64_t kVecs>
-inline void pv_row_avx2(float* acc, const float* p, const cache_t* const* vrows, int64_t n, int64_t offset) {
-  __m256 a[kVecs];
-  for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int64_t c = 0; c < kVecs; ++c) a[c] = _mm256_fmadd_ps(pj, v8::load(vrows[j] + offset + 8 * c), a[c]);
+constexpr int64_t kRowBlock = 4;  // rows of one query taken together, at most
+
+// A cache row's 16 values from p as two vectors, in the cache's lane order (lane_of): bf16
+// widens with one unpack a vector, which leaves values 4..7 and 8..11 swapped.
+template <typename cache_t>
+inline void load16(const cache_t* p, __m256& a, __m256& b) {
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
+  } else {
+    a = v8::load(p), b = v8::load(p + 8);
   }
-  for (int64_t c = 0; c < kVecs; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
-template <typename scalar_t, typename cache_t, int64_t kChunks>
-void attend_item_head_avx2(const WorkItem& w, int64_t kv_head, const scalar_t* q, const cache_t* k_cache,
-                           const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
-                           const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width,
-                           int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                           float scale, int64_t window, const float* sinks) {
-  constexpr int64_t D = 8 * kChunks, C = kRowKeyChunk, kRow = row_width<cache_t>(D);
-  constexpr int64_t kHalf = kChunks > 8 ? 8 : kChunks;  // accumulators in registers at once
-  const int64_t bs = block_size, group = num_heads / num_kv_heads;
-  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
-  const int64_t first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
-  const int64_t rows = w.num_queries * group;
-  const int64_t n_keys = first_pos + w.num_queries;  // keys visible to its last query
-  const int64_t key_begin = first_key(first_pos, window);  // the first key its query 0 sees
-  const int64_t token0 = query_start[w.request] + w.first_query;
-  const int64_t* table = block_tables + w.request * table_width;
+// Where load16 puts value d of a row (its own inverse): q is laid out so, and so are the
+// accumulators of p.V until the row is written.
+template <typename cache_t>
+constexpr int64_t lane_of(int64_t d) {
+  if constexpr (!std::is_same_v<cache_t, c10::BFloat16>) return d;
+  const int64_t e = d % 16;
+  return d - e + (e >= 4 && e < 8 ? e + 4 : e >= 8 && e < 12 ? e - 4 : e);
+}
 
-  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), s(C), m(rows, -std::numeric_limits<float>::infinity()),
-      l(rows, 0.0f);
-  for (int64_t row = 0; row < rows; ++row) {
-    const scalar_t* src = q + (token0 + row / group) * q_stride + (kv_head * group + row % group) * D;
-    for (int64_t d = 0; d < D; ++d) qf[row * D + d] = static_cast<float>(src[d]) * scale;
+// The lane sums of 8 vectors (of 8 keys), key j's in lane j: ((0+1)+(2+3))+((4+5)+(6+7)) of
+// its lanes, the same for every key.
+inline __m256 sums8(const __m256 (&v)[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[r][j] = q_r . k_j * kscale[j] for keys j of [j0, n) (q in lane order, already scaled), in
+// groups of 8 keys aligned to the chunk: a key outside [j0, n) is never read.
+template <typename cache_t, int64_t kChunks16, int64_t NR>
+inline void scores(const float* const (&q)[NR], const cache_t* const* krows, const float* kscale, int64_t j0,
+                   int64_t n, float* const (&s)[NR]) {
+  for (int64_t g0 = j0 / 8 * 8; g0 < n; g0 += 8) {
+    __m256 dots[NR][8];
+    for (int64_t jj = 0; jj < 8; ++jj) {
+      const int64_t j = g0 + jj;
+      if (j < j0 || j >= n) {
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < NR; ++r) dots[r][jj] = _mm256_setzero_ps();
+        continue;
+      }
+      __m256 d0[NR], d1[NR], a, b;
+      load16(krows[j], a, b);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < NR; ++r)
+        d0[r] = _mm256_mul_ps(_mm256_loadu_ps(q[r]), a), d1[r] = _mm256_mul_ps(_mm256_loadu_ps(q[r] + 8), b);
+#pragma GCC unroll 16
+      for (int64_t c = 1; c < kChunks16; ++c) {
+        load16(krows[j] + 16 * c, a, b);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < NR; ++r) {
+          d0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + 16 * c), a, d0[r]);
+          d1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + 16 * c + 8), b, d1[r]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < NR; ++r) dots[r][jj] = _mm256_add_ps(d0[r], d1[r]);
+    }
+    const __m256 ks = _mm256_loadu_ps(kscale + g0);
+    for (int64_t r = 0; r < NR; ++r) _mm256_storeu_ps(s[r] + g0, _mm256_mul_ps(sums8(dots[r]), ks));
   }
+}
+
+// The online-softmax update of one row over its scores s[j0, n) (replaced by p = exp(s - m_new),
+// times vscale for an int8 cache): m and l move on, and the row's accumulator acc[D] is scaled
+// by exp(m_old - m_new).
+template <typename cache_t, int64_t D>
+inline void softmax_update(float* s, const float* vscale, int64_t j0, int64_t n, float& m, float& l, float* acc) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  auto live_lanes = [&](int64_t g0) {  // lanes j0 .. n - 1
+    const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - g0)), lane);
+    const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j0 - g0)), lane);
+    return _mm256_castsi256_ps(_mm256_andnot_si256(before, past));
+  };
+  __m256 mx = _mm256_set1_ps(neg_inf);
+  for (int64_t g0 = j0 / 8 * 8; g0 < n; g0 += 8)
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(&s[g0]), live_lanes(g0)));
+  const float m_new = std::max(m, max8(mx));
+  const __m256 m_vec = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t g0 = j0 / 8 * 8; g0 < n; g0 += 8) {
+    const __m256 p = _mm256_and_ps(live_lanes(g0), v8::exp(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
+    _mm256_storeu_ps(&s[g0], p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  const float alpha = travelator::exp_approx(m - m_new);  // ~0 on the first chunk
+  l = l * alpha + v8::sum(sum);
+  m = m_new;
+  const __m256 alpha_vec = _mm256_set1_ps(alpha);
+  for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(acc + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), alpha_vec));
+  if constexpr (std::is_same_v<cache_t, int8_t>)
+    for (int64_t j = j0; j < n; ++j) s[j] *= vscale[j];
+}
+
+// acc_r[0 .. 16 * kPass) += sum over the keys j < n of p_r[j] v_j[offset ..] (lane order), in
+// order of j, for each of the NR rows. (Every loop of a fixed count is unrolled: else GCC keeps
+// a copy of the sums on the stack, stored at every key.)
+template <typename cache_t, int64_t NR, int64_t kPass>
+inline void pv_rows(float* const (&acc)[NR], const float* const (&p)[NR], const cache_t* const* vrows, int64_t n,
+                    int64_t offset) {
+  constexpr int64_t V = 2 * kPass;  // vectors of a row
+  __m256 a[NR][V];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < V; ++c) a[r][c] = _mm256_loadu_ps(acc[r] + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 v[V];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kPass; ++c) load16(vrows[j] + offset + 16 * c, v[2 * c], v[2 * c + 1]);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < NR; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < V; ++c) a[r][c] = _mm256_fmadd_ps(pj, v[c], a[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < NR; ++r)
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < V; ++c) _mm256_storeu_ps(acc[r] + 8 * c, a[r][c]);
+}
+
+// Rows row0 .. row0 + NR - 1 (one query's, keys [j0, n) of the chunk visible to all) through
+// one chunk: their scores, softmax updates and p.V.
+template <typename cache_t, int64_t D, int64_t NR>
+inline void attend_rows(int64_t row0, float* qf, float* acc, float* m, float* l, float* s, const cache_t* const* krows,
+                        const cache_t* const* vrows, const float* kscale, const float* vscale, int64_t j0, int64_t n) {
+  constexpr int64_t C = kRowKeyChunk;
+  constexpr int64_t kPass = std::min<int64_t>(NR == 1 ? 4 : NR == 2 ? 2 : 1, D / 16);  // 16-value chunks a pass
+  float* srow[NR];
+  const float* qrow[NR];
+  float* arow[NR];
+  const float* prow[NR];
+  for (int64_t r = 0; r < NR; ++r)
+    srow[r] = s + r * C, qrow[r] = qf + (row0 + r) * D, arow[r] = acc + (row0 + r) * D, prow[r] = srow[r] + j0;
+  scores<cache_t, D / 16, NR>(qrow, krows, kscale, j0, n, srow);
+  for (int64_t r = 0; r < NR; ++r)
+    softmax_update<cache_t, D>(srow[r], vscale, j0, n, m[row0 + r], l[row0 + r], arow[r]);
+  for (int64_t c = 0; c < D; c += 16 * kPass) {
+    float* apass[NR];
+    for (int64_t r = 0; r < NR; ++r) apass[r] = arow[r] + c;
+    pv_rows<cache_t, NR, kPass>(apass, prow, vrows + j0, n - j0, c);
+  }
+}
+
+// Positions key0 + [j_begin, j_end) of one KV head, as runs of consecutive slots of a block
+// (consecutive rows of the cache): fn(j of the run's first, offset of its first row, rows).
+template <typename Fn>
+inline void for_row_runs(const int64_t* table, int64_t kv_head, int64_t num_kv_heads, int64_t bs, int64_t row_elems,
+                         int64_t key0, int64_t j_begin, int64_t j_end, Fn fn) {
+  for (int64_t j = j_begin; j < j_end;) {
+    const int64_t pos = key0 + j, slot = pos % bs, n = std::min(j_end - j, bs - slot);
+    fn(j, travelator::kv_row(table[pos / bs], kv_head, slot, num_kv_heads, bs) * row_elems, n);
+    j += n;
+  }
+}
+
+// Where one work item's rows lie: per KV head of the item, its queries' rows (a query's
+// query heads together), each with its own q (lane order, scaled), softmax state and
+// accumulator.
+struct ItemRows {
+  int64_t group, rows_per_head, first_pos, n_keys, key_begin, token0;
+};
+
+template <typename scalar_t, typename cache_t, int64_t D>
+void load_queries(const WorkItem& w, const ItemRows& it, const scalar_t* q, int64_t q_stride, float scale, float* qf) {
+  for (int64_t h = w.first_head; h < w.end_head; ++h)
+    for (int64_t row = 0; row < it.rows_per_head; ++row) {
+      const scalar_t* src = q + (it.token0 + row / it.group) * q_stride + (h * it.group + row % it.group) * D;
+      float* dst = qf + ((h - w.first_head) * it.rows_per_head + row) * D;
+      for (int64_t d = 0; d < D; ++d) dst[lane_of<cache_t>(d)] = static_cast<float>(src[d]) * scale;
+    }
+}
+
+template <typename scalar_t, typename cache_t, int64_t D>
+void write_rows(const WorkItem& w, const ItemRows& it, const float* acc, const float* m, const float* l,
+                int64_t num_heads, const float* sinks, scalar_t* out) {
+  for (int64_t h = w.first_head; h < w.end_head; ++h)
+    for (int64_t row = 0; row < it.rows_per_head; ++row) {
+      const int64_t i = (h - w.first_head) * it.rows_per_head + row, head = h * it.group + row % it.group;
+      scalar_t* dst = out + ((it.token0 + row / it.group) * num_heads + head) * D;
+      const float inv = 1.0f / softmax_denominator(l[i], m[i], sinks, head);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[i * D + lane_of<cache_t>(d)] * inv);
+    }
+}
+
+// Every query of the item through one chunk's keys [key0, key0 + valid) of one KV head; its
+// rows from row0 in the item's arrays.
+template <typename cache_t, int64_t D>
+void attend_chunk(const WorkItem& w, const ItemRows& it, int64_t key0, int64_t valid, int64_t window, int64_t row0,
+                  float* qf, float* acc, float* m, float* l, float* s, const cache_t* const* krows,
+                  const cache_t* const* vrows, const float* kscale, const float* vscale) {
+  for (int64_t query = 0; query < w.num_queries; ++query) {
+    // Its rows see keys key0 + j0 .. key0 + n_valid - 1 of this chunk.
+    const int64_t pos = it.first_pos + query;
+    const int64_t n_valid = std::min(valid, pos + 1 - key0);
+    const int64_t j0 = std::max<int64_t>(0, first_key(pos, window) - key0);
+    if (n_valid <= j0) continue;
+    int64_t row = row0 + query * it.group;
+    const int64_t end = row + it.group;
+    const auto take = [&](auto rows_now) {
+      attend_rows<cache_t, D, rows_now()>(row, qf, acc, m, l, s, krows, vrows, kscale, vscale, j0, n_valid);
+      row += rows_now();
+    };
+    while (row + 4 <= end) take(std::integral_constant<int64_t, 4>{});
+    if (row + 2 <= end) take(std::integral_constant<int64_t, 2>{});
+    if (row < end) take(std::integral_constant<int64_t, 1>{});
+  }
+}
+
+// One work item: chunks of kRowKeyChunk absolute positions from the one that holds its first
+// visible key (keys before it are never read), and in each chunk the item's KV heads in turn,
+// which lie side by side in a block: the reads run through each block front to back.
+template <typename scalar_t, typename cache_t, int64_t kChunks>
+void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
+                      scalar_t* out, const int64_t* query_start, const int64_t* seq_lens, const int64_t* block_tables,
+                      int64_t table_width, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, float scale, int64_t window, const float* sinks) {
+  (void)head_dim;
+  constexpr int64_t D = 8 * kChunks, C = kRowKeyChunk, kRow = row_width<cache_t>(D);
+  ItemRows it;
+  it.group = num_heads / num_kv_heads, it.rows_per_head = w.num_queries * it.group;
+  const int64_t q_len = query_start[w.request + 1] - query_start[w.request];
+  it.first_pos = seq_lens[w.request] - q_len + w.first_query;  // the item's query 0
+  it.n_keys = it.first_pos + w.num_queries;                    // keys visible to its last query
+  it.key_begin = first_key(it.first_pos, window);              // the first key its query 0 sees
+  it.token0 = query_start[w.request] + w.first_query;
+  const int64_t* table = block_tables + w.request * table_width;
+  const int64_t rows = (w.end_head - w.first_head) * it.rows_per_head;
+  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), s(kRowBlock * C),
+      m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
+  load_queries<scalar_t, cache_t, D>(w, it, q, q_stride, scale, qf.data());
   const cache_t* krows[C];
   const cache_t* vrows[C];
   float kscale[C], vscale[C];
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  // Chunks of C absolute positions from the one that holds key_begin; keys before it are
-  // never read.
-  for (int64_t key0 = key_begin / C * C; key0 < n_keys; key0 += C) {
-    const int64_t valid = std::min(C, n_keys - key0);
-    for (int64_t j = std::max<int64_t>(0, key_begin - key0); j < valid; ++j) {
-      const int64_t pos = key0 + j;
-      const int64_t offset = travelator::kv_row(table[pos / bs], kv_head, pos % bs, num_kv_heads, bs) * kRow;
-      krows[j] = k_cache + offset;
-      vrows[j] = v_cache + offset;
-      kscale[j] = row_scale(krows[j], D);
-      vscale[j] = row_scale(vrows[j], D);
-    }
-    for (int64_t row = 0; row < rows; ++row) {
-      // The row sees keys key0 + j0 .. key0 + n_valid - 1 of this chunk.
-      const int64_t pos = first_pos + row / group;
-      const int64_t n_valid = std::min(valid, pos + 1 - key0);
-      const int64_t j0 = std::max<int64_t>(0, first_key(pos, window) - key0);
-      if (n_valid <= j0) continue;
-      const float* qr = &qf[row * D];
-      __m256 qv[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-      for (int64_t j = j0; j < n_valid; ++j) {
-        __m256 d0 = _mm256_mul_ps(qv[0], v8::load(krows[j]));
-        __m256 d1 = _mm256_mul_ps(qv[1], v8::load(krows[j] + 8));
-        for (int64_t c = 2; c < kChunks; c += 2) {
-          d0 = _mm256_fmadd_ps(qv[c], v8::load(krows[j] + 8 * c), d0);
-          d1 = _mm256_fmadd_ps(qv[c + 1], v8::load(krows[j] + 8 * c + 8), d1);
-        }
-        s[j] = v8::sum(_mm256_add_ps(d0, d1)) * kscale[j];
-      }
-      // Online softmax: p = exp(s - m_new) over the visible keys (lanes j0 .. n_valid - 1),
-      // 0 in the lanes before and past them.
-      const float neg_inf = -std::numeric_limits<float>::infinity();
-      auto live_lanes = [&](int64_t g0) {
-        const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_valid - g0)), lane);
-        const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(j0 - g0)), lane);
-        return _mm256_castsi256_ps(_mm256_andnot_si256(before, past));
-      };
-      __m256 mx = _mm256_set1_ps(neg_inf);
-      for (int64_t g0 = j0 / 8 * 8; g0 < n_valid; g0 += 8)
-        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(&s[g0]), live_lanes(g0)));
-      const float m_new = std::max(m[row], max8(mx));
-      const __m256 m_vec = _mm256_set1_ps(m_new);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t g0 = j0 / 8 * 8; g0 < n_valid; g0 += 8) {
-        const __m256 p = _mm256_and_ps(live_lanes(g0), v8::exp(_mm256_sub_ps(_mm256_loadu_ps(&s[g0]), m_vec)));
-        _mm256_storeu_ps(&s[g0], p);
-        sum = _mm256_add_ps(sum, p);
-      }
-      const float alpha = travelator::exp_approx(m[row] - m_new);  // ~0 on the first chunk
-      l[row] = l[row] * alpha + v8::sum(sum);
-      m[row] = m_new;
-      float* a = &acc[row * D];
-      const __m256 alpha_vec = _mm256_set1_ps(alpha);
-      for (int64_t c = 0; c < kChunks; ++c) _mm256_storeu_ps(a + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * c), alpha_vec));
-      if constexpr (std::is_same_v<cache_t, int8_t>)
-        for (int64_t j = j0; j < n_valid; ++j) s[j] *= vscale[j];
-      for (int64_t half = 0; half < kChunks; half += kHalf)
-        pv_row_avx2<cache_t, kHalf>(a + 8 * half, s.data() + j0, vrows + j0, n_valid - j0, 8 * half);
+  for (int64_t key0 = it.key_begin / C * C; key0 < it.n_keys; key0 += C) {
+    const int64_t valid = std::min(C, it.n_keys - key0);
+    for (int64_t h = w.first_head; h < w.end_head; ++h) {
+      for_row_runs(table, h, num_kv_heads, block_size, kRow, key0, std::max<int64_t>(0, it.key_begin - key0), valid,
+                   [&](int64_t j, int64_t offset, int64_t n) {
+                     for (int64_t t = 0; t < n; ++t) {
+                       krows[j + t] = k_cache + offset + t * kRow, vrows[j + t] = v_cache + offset + t * kRow;
+                       kscale[j + t] = row_scale(krows[j + t], D), vscale[j + t] = row_scale(vrows[j + t], D);
+                     }
+                   });
+      attend_chunk<cache_t, D>(w, it, key0, valid, window, (h - w.first_head) * it.rows_per_head, qf.data(),
+                               acc.data(), m.data(), l.data(), s.data(), krows, vrows, kscale, vscale);
     }
   }
-  for (int64_t row = 0; row < rows; ++row) {
-    scalar_t* dst = out + ((token0 + row / group) * num_heads + kv_head * group + row % group) * D;
-    const float inv = 1.0f / softmax_denominator(l[row], m[row], sinks, kv_head * group + row % group);
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[row * D + d] * inv);
-  }
-}
-
-template <typename scalar_t, typename cache_t, int64_t kChunks>
-void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cache,
-                      const cache_t* v_cache, scalar_t* out, const int64_t* query_start,
-                      const int64_t* seq_lens, const int64_t* block_tables, int64_t table_width, int64_t q_stride,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      float scale, int64_t window, const float* sinks) {
-  (void)head_dim;
-  for (int64_t h = w.first_head; h < w.end_head; ++h)
-    attend_item_head_avx2<scalar_t, cache_t, kChunks>(w, h, q, k_cache, v_cache, out, query_start, seq_lens,
-                                                     block_tables, table_width, q_stride, num_heads,
-                                                     num_kv_heads, block_size, scale, window, sinks);
+  write_rows<scalar_t, cache_t, D>(w, it, acc.data(), m.data(), l.data(), num_heads, sinks, out);
 }
 #endif
 
