@@ -1,58 +1,81 @@
 """The paged-attention kernel alone, on decodes: is it held by memory or by arithmetic?
 
-64 decodes x 257 keys (8 heads over 4 KV heads, head_dim 64, blocks of 16, bf16), over the
-caches of 8 layers in turn (8.4 MB a layer, more than the L3 holds), with each request's
-blocks in order or shuffled; then every request on the same 17 blocks (in L2: the
-arithmetic alone); and a sum over the same caches (the memory alone). Medians of 15
-calls, per layer.
+64 decodes x 257 keys (8 heads over 4 KV heads, head_dim 64, blocks of 16, bf16: W 50M's
+attention), over the caches of 8 layers in turn (8.4 MB a layer, more than the L3 holds), with
+each request's blocks in order or shuffled; then every request on the same 17 blocks (in L2:
+the arithmetic alone); then one decode at 512 and at 2,048 keys (16 heads over 8 KV heads: the
+250M Llama's batch-1 step, 16 layers in turn); and a sum over the 64-decode caches (the memory
+alone). Medians of 15 calls, per layer. With `--against REV` the same cases on another git
+revision's kernel too (built beside this one's, as benchmarks/prefill_attention.py does), the
+two called in turn, case by case.
 
     python benchmarks/attention_kernel.py
+    python benchmarks/attention_kernel.py --against dce4fd1   # before the AVX2 kernel's rework
 """
 
 from __future__ import annotations
 
+import argparse
 import random
+from collections.abc import Callable
 
 import torch
 
 from bench_timing import median_seconds
+from prefill_attention import kernel_at
 
 from travelator import kernels
 from travelator.model import kv_layout
 
-REQUESTS, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 64, 256, 8, 4, 64, 16, 8
+HEAD_DIM, BLOCK = 64, 16
 
 
-def per_layer_us(fn) -> float:
-    return median_seconds(fn, 15) / LAYERS * 1e6
+def decode_case(requests: int, context: int, heads: int, kv_heads: int, layers: int,
+                order: str = "in order") -> Callable[[Callable[..., torch.Tensor]], None]:
+    """One call a layer over `layers` layers' caches ("in L2": every layer and request on the
+    same blocks of one cache)."""
+    blocks_per_request = context // BLOCK + 1
+    num_blocks = blocks_per_request if order == "in L2" else requests * blocks_per_request
+    shape = kv_layout.cache_shape(num_blocks, BLOCK, kv_heads, HEAD_DIM, torch.bfloat16)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
+              for _ in range(1 if order == "in L2" else layers)]
+    blocks = list(range(num_blocks))
+    if order == "shuffled":
+        random.Random(0).shuffle(blocks)
+    table = (torch.tensor(blocks).repeat(requests, 1) if order == "in L2"
+             else torch.tensor(blocks).view(requests, blocks_per_request))
+    q = torch.randn(requests, heads, HEAD_DIM).bfloat16()
+    query_start = torch.arange(requests + 1)
+    seq_lens = torch.full((requests,), context + 1)
+
+    def run(attention: Callable[..., torch.Tensor]) -> None:
+        for layer in range(layers):
+            k, v = caches[layer % len(caches)]
+            attention(q, k, v, query_start, seq_lens, table, HEAD_DIM**-0.5, False)
+    return run
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", metavar="REV", help="also time the kernel of this git revision")
+    args = parser.parse_args()
     kernels.load()
-    attention = torch.ops.travelator.paged_attention
-    blocks_per_request = CONTEXT // BLOCK + 1
-    num_blocks = REQUESTS * blocks_per_request
-    shape = kv_layout.cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
+    attentions = {"this tree": torch.ops.travelator.paged_attention}
+    if args.against:
+        attentions[f"at {args.against}"] = kernel_at(args.against)
     torch.manual_seed(0)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(LAYERS)]
-    order = list(range(num_blocks))
-    random.Random(0).shuffle(order)
-    tables = {
-        "blocks in order": torch.arange(num_blocks).view(REQUESTS, blocks_per_request),
-        "blocks shuffled": torch.tensor(order).view(REQUESTS, blocks_per_request),
-    }
-    q = torch.randn(REQUESTS, HEADS, HEAD_DIM).bfloat16()
-    query_start = torch.arange(REQUESTS + 1)
-    seq_lens = torch.full((REQUESTS,), CONTEXT + 1)
-    results = {name: per_layer_us(lambda t=t: [attention(q, k, v, query_start, seq_lens, t, HEAD_DIM**-0.5, False)
-                                               for k, v in caches])
-               for name, t in tables.items()}
-    same = torch.arange(blocks_per_request).repeat(REQUESTS, 1)
-    k0, v0 = caches[0]
-    results["in L2"] = per_layer_us(lambda: [attention(q, k0, v0, query_start, seq_lens, same, HEAD_DIM**-0.5, False)
-                                             for _ in range(LAYERS)])
-    results["a sum over the caches"] = per_layer_us(lambda: [(k.sum(), v.sum()) for k, v in caches])
-    print("  ".join(f"{name}: {us:.0f} us" for name, us in results.items()))
+    cases = {f"64 decodes x 257 keys, blocks {order}": decode_case(64, 256, 8, 4, 8, order)
+             for order in ("in order", "shuffled", "in L2")}
+    cases |= {f"1 decode x {n} keys": decode_case(1, n - 1, 16, 8, 16) for n in (512, 2048)}
+    for name, run in cases.items():
+        layers = 16 if name.startswith("1 decode") else 8
+        times = {who: median_seconds(lambda a=a: run(a), 15) / layers * 1e6 for who, a in attentions.items()}
+        ratio = f" (this tree / the other {times['this tree'] / times[f'at {args.against}']:.2f})" if args.against else ""
+        print(f"{name}: " + ", ".join(f"{who} {us:.0f} us" for who, us in times.items()) + ratio, flush=True)
+    shape = kv_layout.cache_shape(64 * 17, BLOCK, 4, HEAD_DIM, torch.bfloat16)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(8)]
+    read = median_seconds(lambda: [(k.sum(), v.sum()) for k, v in caches], 15) / 8 * 1e6
+    print(f"a sum over the 64-decode caches: {read:.0f} us a layer")
 
 
 if __name__ == "__main__":

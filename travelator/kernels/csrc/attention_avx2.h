@@ -25,16 +25,11 @@ namespace v8 = travelator::vec8;
 // summed at once, in a fixed order per key), an online-softmax update with an 8-lane exp,
 // and p.V with the rows' accumulators held in registers. A row's every operation is the same
 // whatever the other rows of its block or call, so its result is.
-inline float max8(__m256 v) {
-  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
-
 constexpr int64_t kRowBlock = 4;  // rows of one query taken together, at most
+constexpr int64_t kHeadsSideBySideQueries = 4;  // items of up to this many queries: KV heads in turn per chunk
 
-// A cache row's 16 values from p as two vectors, in the cache's lane order (lane_of): bf16
-// widens with one unpack a vector, which leaves values 4..7 and 8..11 swapped.
+// A cache row's 16 values from p as two vectors, in the cache's lane order: bf16 widens with
+// one unpack a vector, which leaves values 4..7 and 8..11 swapped (swap_to_lanes).
 template <typename cache_t>
 inline void load16(const cache_t* p, __m256& a, __m256& b) {
   if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
@@ -46,13 +41,14 @@ inline void load16(const cache_t* p, __m256& a, __m256& b) {
   }
 }
 
-// Where load16 puts value d of a row (its own inverse): q is laid out so, and so are the
-// accumulators of p.V until the row is written.
+// 16 values of a row between their order and load16's (the same swap both ways): q is held in
+// the lanes' order, and so are the accumulators of p.V until the row is written.
 template <typename cache_t>
-constexpr int64_t lane_of(int64_t d) {
-  if constexpr (!std::is_same_v<cache_t, c10::BFloat16>) return d;
-  const int64_t e = d % 16;
-  return d - e + (e >= 4 && e < 8 ? e + 4 : e >= 8 && e < 12 ? e - 4 : e);
+inline void swap_to_lanes(__m256& lo, __m256& hi) {
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    const __m256 a = _mm256_permute2f128_ps(lo, hi, 0x20), b = _mm256_permute2f128_ps(lo, hi, 0x31);
+    lo = a, hi = b;
+  }
 }
 
 // The lane sums of 8 vectors (of 8 keys), key j's in lane j: ((0+1)+(2+3))+((4+5)+(6+7)) of
@@ -114,7 +110,7 @@ inline void softmax_update(float* s, const float* vscale, int64_t j0, int64_t n,
   __m256 mx = _mm256_set1_ps(neg_inf);
   for (int64_t g0 = j0 / 8 * 8; g0 < n; g0 += 8)
     mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(&s[g0]), live_lanes(g0)));
-  const float m_new = std::max(m, max8(mx));
+  const float m_new = std::max(m, v8::max(mx));
   const __m256 m_vec = _mm256_set1_ps(m_new);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t g0 = j0 / 8 * 8; g0 < n; g0 += 8) {
@@ -204,23 +200,35 @@ struct ItemRows {
 
 template <typename scalar_t, typename cache_t, int64_t D>
 void load_queries(const WorkItem& w, const ItemRows& it, const scalar_t* q, int64_t q_stride, float scale, float* qf) {
+  const __m256 scale_vec = _mm256_set1_ps(scale);
   for (int64_t h = w.first_head; h < w.end_head; ++h)
     for (int64_t row = 0; row < it.rows_per_head; ++row) {
       const scalar_t* src = q + (it.token0 + row / it.group) * q_stride + (h * it.group + row % it.group) * D;
       float* dst = qf + ((h - w.first_head) * it.rows_per_head + row) * D;
-      for (int64_t d = 0; d < D; ++d) dst[lane_of<cache_t>(d)] = static_cast<float>(src[d]) * scale;
+      for (int64_t c = 0; c < D; c += 16) {
+        __m256 lo = _mm256_mul_ps(v8::load(src + c), scale_vec), hi = _mm256_mul_ps(v8::load(src + c + 8), scale_vec);
+        swap_to_lanes<cache_t>(lo, hi);
+        _mm256_storeu_ps(dst + c, lo), _mm256_storeu_ps(dst + c + 8, hi);
+      }
     }
 }
 
 template <typename scalar_t, typename cache_t, int64_t D>
 void write_rows(const WorkItem& w, const ItemRows& it, const float* acc, const float* m, const float* l,
                 int64_t num_heads, const float* sinks, scalar_t* out) {
+  alignas(32) float row_out[D];
   for (int64_t h = w.first_head; h < w.end_head; ++h)
     for (int64_t row = 0; row < it.rows_per_head; ++row) {
       const int64_t i = (h - w.first_head) * it.rows_per_head + row, head = h * it.group + row % it.group;
+      const __m256 inv = _mm256_set1_ps(1.0f / softmax_denominator(l[i], m[i], sinks, head));
+      for (int64_t c = 0; c < D; c += 16) {
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + c), inv);
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + c + 8), inv);
+        swap_to_lanes<cache_t>(lo, hi);
+        _mm256_store_ps(row_out + c, lo), _mm256_store_ps(row_out + c + 8, hi);
+      }
       scalar_t* dst = out + ((it.token0 + row / it.group) * num_heads + head) * D;
-      const float inv = 1.0f / softmax_denominator(l[i], m[i], sinks, head);
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[i * D + lane_of<cache_t>(d)] * inv);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(row_out[d]);
     }
 }
 
@@ -249,8 +257,10 @@ void attend_chunk(const WorkItem& w, const ItemRows& it, int64_t key0, int64_t v
 }
 
 // One work item: chunks of kRowKeyChunk absolute positions from the one that holds its first
-// visible key (keys before it are never read), and in each chunk the item's KV heads in turn,
-// which lie side by side in a block: the reads run through each block front to back.
+// visible key (keys before it are never read). Items of a few queries (decodes) take the KV
+// heads in turn in each chunk, as they lie side by side in a block: the reads run through
+// each block front to back. Items of more take a head's chunks in turn, its rows' state
+// staying in L1. Either way a row's every step is the same.
 template <typename scalar_t, typename cache_t, int64_t kChunks>
 void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
                       scalar_t* out, const int64_t* query_start, const int64_t* seq_lens, const int64_t* block_tables,
@@ -273,19 +283,25 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
   const cache_t* krows[C];
   const cache_t* vrows[C];
   float kscale[C], vscale[C];
-  for (int64_t key0 = it.key_begin / C * C; key0 < it.n_keys; key0 += C) {
+  const auto attend = [&](int64_t h, int64_t key0) {
     const int64_t valid = std::min(C, it.n_keys - key0);
-    for (int64_t h = w.first_head; h < w.end_head; ++h) {
-      for_row_runs(table, h, num_kv_heads, block_size, kRow, key0, std::max<int64_t>(0, it.key_begin - key0), valid,
-                   [&](int64_t j, int64_t offset, int64_t n) {
-                     for (int64_t t = 0; t < n; ++t) {
-                       krows[j + t] = k_cache + offset + t * kRow, vrows[j + t] = v_cache + offset + t * kRow;
-                       kscale[j + t] = row_scale(krows[j + t], D), vscale[j + t] = row_scale(vrows[j + t], D);
-                     }
-                   });
-      attend_chunk<cache_t, D>(w, it, key0, valid, window, (h - w.first_head) * it.rows_per_head, qf.data(),
-                               acc.data(), m.data(), l.data(), s.data(), krows, vrows, kscale, vscale);
-    }
+    for_row_runs(table, h, num_kv_heads, block_size, kRow, key0, std::max<int64_t>(0, it.key_begin - key0), valid,
+                 [&](int64_t j, int64_t offset, int64_t n) {
+                   for (int64_t t = 0; t < n; ++t) {
+                     krows[j + t] = k_cache + offset + t * kRow, vrows[j + t] = v_cache + offset + t * kRow;
+                     kscale[j + t] = row_scale(krows[j + t], D), vscale[j + t] = row_scale(vrows[j + t], D);
+                   }
+                 });
+    attend_chunk<cache_t, D>(w, it, key0, valid, window, (h - w.first_head) * it.rows_per_head, qf.data(),
+                             acc.data(), m.data(), l.data(), s.data(), krows, vrows, kscale, vscale);
+  };
+  const int64_t key_first = it.key_begin / C * C;
+  if (w.num_queries <= kHeadsSideBySideQueries) {
+    for (int64_t key0 = key_first; key0 < it.n_keys; key0 += C)
+      for (int64_t h = w.first_head; h < w.end_head; ++h) attend(h, key0);
+  } else {  // many rows a head: their state stays in L1 while the head's chunks pass
+    for (int64_t h = w.first_head; h < w.end_head; ++h)
+      for (int64_t key0 = key_first; key0 < it.n_keys; key0 += C) attend(h, key0);
   }
   write_rows<scalar_t, cache_t, D>(w, it, acc.data(), m.data(), l.data(), num_heads, sinks, out);
 }

@@ -44,12 +44,6 @@ inline __m256 load8(const scalar_t* p, int64_t n) {
   return _mm256_load_ps(part);
 }
 
-inline float max8(__m256 v) {
-  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
-
 // xi[k..k+8) as int16 in the tiles' pair order (k, k+2, k+1, k+3, k+4, k+6, k+5, k+7): see
 // tile_int8 and tile_int4.
 inline void store_pairs(__m256i xi, int16_t* pairs) {
@@ -79,7 +73,7 @@ IntegerX integer_x(const scalar_t* x, int64_t M, int64_t K, int64_t K_padded, in
         r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
-      const float top = max8(mx);
+      const float top = v8::max(mx);
       if (std::isinf(top)) {  // as in the AVX-512 kernel
         r.scale[m * r.blocks + b] = std::numeric_limits<float>::quiet_NaN();
         continue;

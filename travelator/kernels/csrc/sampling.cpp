@@ -18,8 +18,8 @@ namespace {
 using namespace travelator::rows;
 // Index of each row's largest value, as torch.argmax(dim=-1): the first maximum, and the
 // first NaN if a row has one. One pass for the maximum, one for its first position;
-// vectorised on AVX-512 (torch's own arg-reduction is scalar-speed here). bf16 rows are
-// widened exactly, so their argmax is that of their float32 copy, without making one.
+// vectorised on AVX-512 and AVX2 (torch's own arg-reduction is scalar-speed here). bf16 rows
+// are widened exactly, so their argmax is that of their float32 copy, without making one.
 #if defined(__AVX512F__)
 inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16f(const c10::BFloat16* p) {
@@ -43,6 +43,15 @@ int64_t argmax_row(const T* x, int64_t n) {
   }
   has_nan = nan_lanes != 0;
   if (!has_nan) best = _mm512_reduce_max_ps(vmax);
+#elif defined(TRAVELATOR_VEC8)
+  __m256 vmax = _mm256_set1_ps(best), nan_lanes = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = travelator::vec8::load(x + i);
+    nan_lanes = _mm256_or_ps(nan_lanes, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  has_nan = _mm256_movemask_ps(nan_lanes) != 0;
+  if (!has_nan) best = travelator::vec8::max(vmax);
 #endif
   for (; i < n; ++i) {
     const float v = static_cast<float>(x[i]);
@@ -56,6 +65,14 @@ int64_t argmax_row(const T* x, int64_t n) {
     const __m512 v = load16f(x + j);
     const __mmask16 hit = has_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                   : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#elif defined(TRAVELATOR_VEC8)
+  const __m256 target = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = travelator::vec8::load(x + j);
+    const int hit = _mm256_movemask_ps(has_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                               : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
     if (hit) return j + __builtin_ctz(static_cast<unsigned>(hit));
   }
 #endif

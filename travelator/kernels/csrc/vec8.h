@@ -33,6 +33,13 @@ inline float sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+// The largest of the 8 lanes (NaN lanes as _mm_max_ps takes them).
+inline float max(__m256 v) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
 // The bf16 bits of each lane, rounded to nearest even as c10::BFloat16(float) rounds (a
 // NaN becomes 0x7FC0).
 inline __m128i bf16_bits(__m256 v) {
