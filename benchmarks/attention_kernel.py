@@ -5,9 +5,9 @@ attention), over the caches of 8 layers in turn (8.4 MB a layer, more than the L
 each request's blocks in order or shuffled; then every request on the same 17 blocks (in L2:
 the arithmetic alone); then one decode at 512 and at 2,048 keys (16 heads over 8 KV heads: the
 250M Llama's batch-1 step, 16 layers in turn); and a sum over the 64-decode caches (the memory
-alone). Medians of 15 calls, per layer. With `--against REV` the same cases on another git
+alone). Per layer: medians of 3 rounds of 5 calls. With `--against REV` the same cases on another git
 revision's kernel too (built beside this one's, as benchmarks/prefill_attention.py does), the
-two called in turn, case by case.
+two taking turns round by round.
 
     python benchmarks/attention_kernel.py
     python benchmarks/attention_kernel.py --against dce4fd1   # before the AVX2 kernel's rework
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -69,7 +70,11 @@ def main() -> None:
     cases |= {f"1 decode x {n} keys": decode_case(1, n - 1, 16, 8, 16) for n in (512, 2048)}
     for name, run in cases.items():
         layers = 16 if name.startswith("1 decode") else 8
-        times = {who: median_seconds(lambda a=a: run(a), 15) / layers * 1e6 for who, a in attentions.items()}
+        rounds: dict[str, list[float]] = {who: [] for who in attentions}
+        for _ in range(3):  # the kernels in turn, so that a slow minute of the machine slows both
+            for who, a in attentions.items():
+                rounds[who].append(median_seconds(lambda a=a: run(a), 5) / layers * 1e6)
+        times = {who: statistics.median(us) for who, us in rounds.items()}
         ratio = f" (this tree / the other {times['this tree'] / times[f'at {args.against}']:.2f})" if args.against else ""
         print(f"{name}: " + ", ".join(f"{who} {us:.0f} us" for who, us in times.items()) + ratio, flush=True)
     shape = kv_layout.cache_shape(64 * 17, BLOCK, 4, HEAD_DIM, torch.bfloat16)
