@@ -184,6 +184,9 @@ def test_argmax_rows_is_torch_argmax(dtype):
     x[11, 20] = float("nan")
     x[12, 4] = float("inf")
     x[13, 1000:1010] = x[13].max() + 1  # bf16 rounds many values alike: ties are common
+    x[14, 32000] = float("nan")  # in the tail past the vectors only
+    x[15, :] = -1.0
+    x[15, 10], x[15, 3] = 0.0, -0.0  # zeros of both signs tie: the first
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(x), x.float().argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(x[:, :3].contiguous()), x[:, :3].argmax(dim=-1))

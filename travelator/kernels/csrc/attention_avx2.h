@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "attention_common.h"
 #include "float_math.h"
@@ -20,11 +21,11 @@ namespace v8 = travelator::vec8;
 // AVX2 path (8 floats a vector), for head_dim 32, 64, 128 or 256 on CPUs without AVX-512.
 // Keys in chunks of kRowKeyChunk absolute positions (as the portable path), read in place.
 // The rows of one query that share a KV head (its query heads: they see the same keys) are
-// taken kRowBlock at a time, so that each key and value row is read and widened once for
-// all of them. Per row and chunk: the scores (a dot product per key; the lanes of 8 keys
-// summed at once, in a fixed order per key), an online-softmax update with an 8-lane exp,
-// and p.V with the rows' accumulators held in registers. A row's every operation is the same
-// whatever the other rows of its block or call, so its result is.
+// taken kRowBlock at a time, so that each key and value row is read and widened once for up
+// to kRowBlock of them. Per row and chunk: the scores (a dot product per key; the lanes of 8
+// keys summed at once, in a fixed order per key), an online-softmax update with an 8-lane
+// exp, and p.V with the rows' accumulators held in registers. A row's every operation is the
+// same whatever the other rows of its block or call, so its result is.
 constexpr int64_t kRowBlock = 4;  // rows of one query taken together, at most
 constexpr int64_t kHeadsSideBySideQueries = 4;  // items of up to this many queries: KV heads in turn per chunk
 
@@ -250,6 +251,7 @@ void attend_chunk(const WorkItem& w, const ItemRows& it, int64_t key0, int64_t v
       attend_rows<cache_t, D, rows_now()>(row, qf, acc, m, l, s, krows, vrows, kscale, vscale, j0, n_valid);
       row += rows_now();
     };
+    static_assert(kRowBlock == 4, "the blocks below are of 4, 2 and 1 rows");
     while (row + 4 <= end) take(std::integral_constant<int64_t, 4>{});
     if (row + 2 <= end) take(std::integral_constant<int64_t, 2>{});
     if (row < end) take(std::integral_constant<int64_t, 1>{});
@@ -258,9 +260,10 @@ void attend_chunk(const WorkItem& w, const ItemRows& it, int64_t key0, int64_t v
 
 // One work item: chunks of kRowKeyChunk absolute positions from the one that holds its first
 // visible key (keys before it are never read). Items of a few queries (decodes) take the KV
-// heads in turn in each chunk, as they lie side by side in a block: the reads run through
-// each block front to back. Items of more take a head's chunks in turn, its rows' state
-// staying in L1. Either way a row's every step is the same.
+// heads in turn in each chunk, as they lie side by side in a block: the reads take each
+// block's heads in turn rather than one head's slice of every block. Items of more take a
+// head's chunks in turn, its rows' state staying in cache. Either way a row's every step is
+// the same.
 template <typename scalar_t, typename cache_t, int64_t kChunks>
 void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
                       scalar_t* out, const int64_t* query_start, const int64_t* seq_lens, const int64_t* block_tables,
@@ -282,7 +285,7 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
   load_queries<scalar_t, cache_t, D>(w, it, q, q_stride, scale, qf.data());
   const cache_t* krows[C];
   const cache_t* vrows[C];
-  float kscale[C], vscale[C];
+  float kscale[C] = {}, vscale[C] = {};  // lanes of keys outside a row's range are read, times 0
   const auto attend = [&](int64_t h, int64_t key0) {
     const int64_t valid = std::min(C, it.n_keys - key0);
     for_row_runs(table, h, num_kv_heads, block_size, kRow, key0, std::max<int64_t>(0, it.key_begin - key0), valid,
@@ -299,7 +302,7 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
   if (w.num_queries <= kHeadsSideBySideQueries) {
     for (int64_t key0 = key_first; key0 < it.n_keys; key0 += C)
       for (int64_t h = w.first_head; h < w.end_head; ++h) attend(h, key0);
-  } else {  // many rows a head: their state stays in L1 while the head's chunks pass
+  } else {  // many rows a head: their state stays in cache while the head's chunks pass
     for (int64_t h = w.first_head; h < w.end_head; ++h)
       for (int64_t key0 = key_first; key0 < it.n_keys; key0 += C) attend(h, key0);
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "row_common.h"
 
@@ -28,8 +29,9 @@ inline __m512 load16f(const c10::BFloat16* p) {
 }
 #endif
 
+// The row's largest value, and whether it holds a NaN (then the value is not used).
 template <typename T>
-int64_t argmax_row(const T* x, int64_t n) {
+std::pair<float, bool> row_max(const T* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   bool has_nan = false;
   int64_t i = 0;
@@ -58,6 +60,12 @@ int64_t argmax_row(const T* x, int64_t n) {
     has_nan |= v != v;
     best = std::max(best, v);
   }
+  return {best, has_nan};
+}
+
+// The first index holding `best` (the first NaN where the row has one).
+template <typename T>
+int64_t first_index_of(const T* x, int64_t n, float best, bool has_nan) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 target = _mm512_set1_ps(best);
@@ -81,6 +89,12 @@ int64_t argmax_row(const T* x, int64_t n) {
     if (has_nan ? v != v : v == best) return j;
   }
   return 0;
+}
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  const auto [best, has_nan] = row_max(x, n);
+  return first_index_of(x, n, best, has_nan);
 }
 
 template <typename T>
