@@ -19,6 +19,7 @@ import argparse
 import random
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,10 +32,25 @@ from travelator.model import kv_layout
 HEAD_DIM, BLOCK = 64, 16
 
 
+@dataclass
+class DecodeCase:
+    """Decodes over `layers` layers' caches, one call a layer ("in L2": every layer and request
+    on the same blocks of one cache)."""
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    table: torch.Tensor
+    q: torch.Tensor
+    seq_lens: torch.Tensor
+    layers: int
+
+    def run(self, attention: Callable[..., torch.Tensor]) -> None:
+        query_start = torch.arange(len(self.seq_lens) + 1)
+        for layer in range(self.layers):
+            k, v = self.caches[layer % len(self.caches)]
+            attention(self.q, k, v, query_start, self.seq_lens, self.table, HEAD_DIM**-0.5, False)
+
+
 def decode_case(requests: int, context: int, heads: int, kv_heads: int, layers: int,
-                order: str = "in order") -> Callable[[Callable[..., torch.Tensor]], None]:
-    """One call a layer over `layers` layers' caches ("in L2": every layer and request on the
-    same blocks of one cache)."""
+                order: str = "in order") -> DecodeCase:
     blocks_per_request = context // BLOCK + 1
     num_blocks = blocks_per_request if order == "in L2" else requests * blocks_per_request
     shape = kv_layout.cache_shape(num_blocks, BLOCK, kv_heads, HEAD_DIM, torch.bfloat16)
@@ -45,15 +61,8 @@ def decode_case(requests: int, context: int, heads: int, kv_heads: int, layers: 
         random.Random(0).shuffle(blocks)
     table = (torch.tensor(blocks).repeat(requests, 1) if order == "in L2"
              else torch.tensor(blocks).view(requests, blocks_per_request))
-    q = torch.randn(requests, heads, HEAD_DIM).bfloat16()
-    query_start = torch.arange(requests + 1)
-    seq_lens = torch.full((requests,), context + 1)
-
-    def run(attention: Callable[..., torch.Tensor]) -> None:
-        for layer in range(layers):
-            k, v = caches[layer % len(caches)]
-            attention(q, k, v, query_start, seq_lens, table, HEAD_DIM**-0.5, False)
-    return run
+    return DecodeCase(caches, table, torch.randn(requests, heads, HEAD_DIM).bfloat16(),
+                      torch.full((requests,), context + 1), layers)
 
 
 def main() -> None:
@@ -68,18 +77,16 @@ def main() -> None:
     cases = {f"64 decodes x 257 keys, blocks {order}": decode_case(64, 256, 8, 4, 8, order)
              for order in ("in order", "shuffled", "in L2")}
     cases |= {f"1 decode x {n} keys": decode_case(1, n - 1, 16, 8, 16) for n in (512, 2048)}
-    for name, run in cases.items():
-        layers = 16 if name.startswith("1 decode") else 8
+    for name, case in cases.items():
         rounds: dict[str, list[float]] = {who: [] for who in attentions}
         for _ in range(3):  # the kernels in turn, so that a slow minute of the machine slows both
             for who, a in attentions.items():
-                rounds[who].append(median_seconds(lambda a=a: run(a), 5) / layers * 1e6)
+                rounds[who].append(median_seconds(lambda a=a: case.run(a), 5) / case.layers * 1e6)
         times = {who: statistics.median(us) for who, us in rounds.items()}
         ratio = f" (this tree / the other {times['this tree'] / times[f'at {args.against}']:.2f})" if args.against else ""
         print(f"{name}: " + ", ".join(f"{who} {us:.0f} us" for who, us in times.items()) + ratio, flush=True)
-    shape = kv_layout.cache_shape(64 * 17, BLOCK, 4, HEAD_DIM, torch.bfloat16)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(8)]
-    read = median_seconds(lambda: [(k.sum(), v.sum()) for k, v in caches], 15) / 8 * 1e6
+    caches = cases["64 decodes x 257 keys, blocks in order"].caches
+    read = median_seconds(lambda: [(k.sum(), v.sum()) for k, v in caches], 15) / len(caches) * 1e6
     print(f"a sum over the 64-decode caches: {read:.0f} us a layer")
 
 
