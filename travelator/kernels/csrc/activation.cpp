@@ -22,6 +22,19 @@ constexpr float kGeluCubic = 0.044715f;
 
 inline float sigmoid_arg(float x, bool gelu) { return gelu ? kGeluScale * (x + kGeluCubic * x * x * x) : x; }
 
+#if defined(TRAVELATOR_VEC8)
+// act(x) on 8 lanes, rounded to T and widened back.
+template <typename T>
+inline __m256 act8(__m256 x, bool gelu) {
+  const __m256 arg = gelu ? _mm256_mul_ps(_mm256_set1_ps(kGeluScale),
+                                          _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kGeluCubic), x),
+                                                          _mm256_mul_ps(x, x), x))
+                          : x;
+  const __m256 e = v8::exp(_mm256_sub_ps(_mm256_setzero_ps(), arg));
+  return v8::round_as(T{}, _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+}
+#endif
+
 template <typename T>
 void gated_act_mul_impl(const at::Tensor& gate_up, at::Tensor& out, bool gelu) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
@@ -51,19 +64,20 @@ void gated_act_mul_impl(const at::Tensor& gate_up, at::Tensor& out, bool gelu) {
 #endif
       int64_t i = 0;
 #if defined(TRAVELATOR_VEC8)
-      // 8 lanes at a time, then the row's tail by the scalar steps below.
-      if constexpr (kVectorised<T>) {
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= inter; i += 8) {
-          const __m256 x = v8::load(g + i);
-          const __m256 arg = gelu ? _mm256_mul_ps(_mm256_set1_ps(kGeluScale),
-                                                  _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kGeluCubic), x),
-                                                                  _mm256_mul_ps(x, x), x))
-                                  : x;
-          const __m256 e = v8::exp(_mm256_sub_ps(_mm256_setzero_ps(), arg));
-          const __m256 silu = v8::round_as(T{}, _mm256_div_ps(x, _mm256_add_ps(one, e)));
-          v8::store(o + i, _mm256_mul_ps(silu, v8::load(u + i)));
+      // bf16: 16 values at a time, the even-indexed and the odd ones in turn (widening and
+      // narrowing them in order would cost more than the activation's arithmetic). Then 8
+      // lanes at a time, then the row's tail by the scalar steps below.
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (; i + 16 <= inter; i += 16) {
+          __m256 g_even, g_odd, u_even, u_odd;
+          v8::load_even_odd(g + i, g_even, g_odd);
+          v8::load_even_odd(u + i, u_even, u_odd);
+          v8::store_even_odd(o + i, _mm256_mul_ps(act8<T>(g_even, gelu), u_even),
+                             _mm256_mul_ps(act8<T>(g_odd, gelu), u_odd));
         }
+      }
+      if constexpr (kVectorised<T>) {
+        for (; i + 8 <= inter; i += 8) v8::store(o + i, _mm256_mul_ps(act8<T>(v8::load(g + i), gelu), v8::load(u + i)));
       }
 #endif
       for (; i < inter; ++i) {

@@ -14,10 +14,11 @@
 //   y[m, n] = (float(acc) * xs[m]) * scale[n] (+ bias[n]),
 // rounded once to x's dtype. The integer sums per instruction set:
 //   AVX2 (no VNNI): vpmaddubsw multiplies unsigned bytes by signed bytes and adds pairs into
-//     int16 with saturation. It gets |xq| (0..127) as the unsigned operand and q * sign(xq)
-//     (vpsignb; q is never -128, so the negation cannot wrap) as the signed one: each
-//     product is xq q exactly and a pair is at most 2 * 127 * 127 = 32258 < 32767, so nothing
-//     saturates; vpmaddwd by 1 widens the pairs into int32.
+//     int16 with saturation. It gets |q| (0..127: q is never -128) as the unsigned operand and
+//     xq * sign(q) (vpsignb; xq is never -128 either) as the signed one: each product is xq q
+//     exactly and a pair is at most 2 * 127 * 127 = 32258 < 32767, so nothing saturates;
+//     vpmaddwd by 1 widens the pairs into int32. |q| is taken once a weight vector, for all
+//     the rows, so a row costs one broadcast of x a quad (|xq| and xq's sign would take two).
 //   AVX512-VNNI (256-bit, with VL) or AVX-VNNI: vpdpbusd on u (unsigned) and xq (signed),
 //     4 products summed into int32 without saturation: the sum is acc + 128 sum_k xq, and
 //     128 sum_k xq of the row is taken off before the float steps.
@@ -67,10 +68,10 @@ constexpr int64_t kChunkRows = 64;     // rows of x per work item
 constexpr int64_t kMaxK = 131072;      // K * 127 * 127 stays below 2^31
 constexpr int64_t kPanelCols = 16;     // output columns per microkernel: 2 vectors of 8
 
-// x's integer form: xq [M, K_padded] (padding 0), |xq| (the AVX2 path's unsigned operand),
-// per row its float scale and 128 * sum xq (the VNNI paths' compensation).
+// x's integer form: xq [M, K_padded] (padding 0), per row its float scale and 128 * sum xq
+// (the VNNI paths' compensation).
 struct QuantizedX {
-  at::Tensor q, abs;
+  at::Tensor q;
   std::vector<float> scale;
   std::vector<int32_t> offset;
 };
@@ -100,7 +101,7 @@ inline int32_t quantize_one(float v, float inv) {
 }
 
 template <typename scalar_t>
-void quantize_row(const scalar_t* x, int64_t K, int8_t* q, uint8_t* a, float& scale, int32_t& offset) {
+void quantize_row(const scalar_t* x, int64_t K, int8_t* q, float& scale, int32_t& offset) {
   const int64_t K8 = K / 8 * 8;
   const __m256 sign_bit = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
   __m256 mx = zero, bad = zero;
@@ -118,7 +119,7 @@ void quantize_row(const scalar_t* x, int64_t K, int8_t* q, uint8_t* a, float& sc
   }
   if (!finite || !(top > 0.0f)) {  // a NaN scale makes the row NaN; an all-zero row: scale 0
     if (!finite) scale = std::numeric_limits<float>::quiet_NaN();
-    std::memset(q, 0, K), std::memset(a, 0, K);
+    std::memset(q, 0, K);
     return;
   }
   const float inv = 127.0f / top;
@@ -131,12 +132,11 @@ void quantize_row(const scalar_t* x, int64_t K, int8_t* q, uint8_t* a, float& sc
     const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
     const __m128i b8 = _mm_packs_epi16(w16, w16);  // in order, no value past +-127 to saturate
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), b8);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(a + k), _mm_abs_epi8(b8));
   }
   int32_t total = sum8(sum);
   for (int64_t k = K8; k < K; ++k) {
     const int32_t v = quantize_one(static_cast<float>(x[k]), inv);
-    q[k] = static_cast<int8_t>(v), a[k] = static_cast<uint8_t>(v < 0 ? -v : v);
+    q[k] = static_cast<int8_t>(v);
     total += v;
   }
   scale = top / 127.0f, offset = 128 * total;
@@ -147,15 +147,13 @@ QuantizedX quantize_x(const at::Tensor& x, int64_t K_padded) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedX r;
   r.q = at::empty({M, K_padded}, x.options().dtype(at::kChar));
-  r.abs = at::empty({M, K_padded}, x.options().dtype(at::kByte));
   r.scale.assign(M, 0.0f), r.offset.assign(M, 0);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   int8_t* q = r.q.data_ptr<int8_t>();
-  uint8_t* a = r.abs.data_ptr<uint8_t>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      quantize_row(xp + m * K, K, q + m * K_padded, a + m * K_padded, r.scale[m], r.offset[m]);
-      std::memset(q + m * K_padded + K, 0, K_padded - K), std::memset(a + m * K_padded + K, 0, K_padded - K);
+      quantize_row(xp + m * K, K, q + m * K_padded, r.scale[m], r.offset[m]);
+      std::memset(q + m * K_padded + K, 0, K_padded - K);
     }
   });
   return r;
@@ -170,7 +168,7 @@ inline __m256i bcast4(const void* p) {
 // acc[m][v]: the int32 sums of rows m0.. of x against the panel's 16 columns (lane = column),
 // over all K_padded inputs; the VNNI paths' sums still hold the + 128 sum xq.
 template <int64_t MR>
-void microkernel(const int8_t* xq, const uint8_t* xa, int64_t K, const uint8_t* w, __m256i (&out)[MR][2]) {
+void microkernel(const int8_t* xq, int64_t K, const uint8_t* w, __m256i (&out)[MR][2]) {
   __m256i acc[MR][2];  // local: the caller's array would be stored at every step
   for (int64_t m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
   [[maybe_unused]] const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -192,10 +190,11 @@ void microkernel(const int8_t* xq, const uint8_t* xa, int64_t K, const uint8_t* 
       }
     } else {
       w0 = _mm256_xor_si256(w0, flip), w1 = _mm256_xor_si256(w1, flip);  // u - 128 = q, signed
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
       for (int64_t m = 0; m < MR; ++m) {
-        const __m256i xs = bcast4(xq + m * K + k), xa4 = bcast4(xa + m * K + k);
-        const __m256i p0 = _mm256_maddubs_epi16(xa4, _mm256_sign_epi8(w0, xs));
-        const __m256i p1 = _mm256_maddubs_epi16(xa4, _mm256_sign_epi8(w1, xs));
+        const __m256i xs = bcast4(xq + m * K + k);
+        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xs, w0));
+        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xs, w1));
         acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(p0, ones));
         acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(p1, ones));
       }
@@ -218,7 +217,7 @@ void panel(const Operands& o, int64_t m0, int64_t n0, scalar_t* y) {
   const int64_t K = o.K_padded, tile = n0 / kTileRows;
   const uint8_t* w = o.w + tile * K * kTileRows + (n0 % kTileRows) * 4;  // a column's 4 bytes
   __m256i acc[MR][2];
-  microkernel<MR>(o.x->q.data_ptr<int8_t>() + m0 * K, o.x->abs.data_ptr<uint8_t>() + m0 * K, K, w, acc);
+  microkernel<MR>(o.x->q.data_ptr<int8_t>() + m0 * K, K, w, acc);
   const int64_t cols = std::min(kPanelCols, o.N - n0);
   for (int64_t m = 0; m < MR; ++m) {
     alignas(32) float out[kPanelCols];

@@ -40,14 +40,36 @@ inline float max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
-// The bf16 bits of each lane, rounded to nearest even as c10::BFloat16(float) rounds (a
-// NaN becomes 0x7FC0).
-inline __m128i bf16_bits(__m256 v) {
+// Each lane rounded to bf16 to nearest even, as c10::BFloat16(float) rounds (a NaN becomes
+// 0x7FC0), in the lane's high 16 bits; the low 16 bits are what the rounding left there.
+inline __m256i bf16_in_high_half(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+inline __m256i high_halves() { return _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)); }
+
+// The bf16 bits of each lane, rounded as bf16_in_high_half.
+inline __m128i bf16_bits(__m256 v) {
+  const __m256i r = _mm256_srli_epi32(bf16_in_high_half(v), 16);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// 16 bf16 values as floats without reordering them across lanes: the even-indexed ones in
+// `even` (lane i holds value 2i) and the odd-indexed ones in `odd`. Two instructions for 16
+// values; store_even_odd puts them back in order. For element-wise work.
+inline void load_even_odd(const c10::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high_halves()));
+}
+
+inline void store_even_odd(c10::BFloat16* p, __m256 even, __m256 odd) {
+  const __m256i lo = _mm256_srli_epi32(bf16_in_high_half(even), 16);
+  const __m256i hi = _mm256_and_si256(bf16_in_high_half(odd), high_halves());
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_or_si256(lo, hi));
 }
 
 inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
@@ -56,7 +78,7 @@ inline void store(c10::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cas
 // v rounded to T and widened back (what static_cast<float>(T(x)) gives per lane).
 inline __m256 round_as(float, __m256 v) { return v; }
 inline __m256 round_as(c10::BFloat16, __m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits(v)), 16));
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_in_high_half(v), high_halves()));
 }
 
 // travelator::exp_approx on 8 lanes: the same clamp, reduction and polynomial (its last
