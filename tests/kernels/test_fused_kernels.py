@@ -69,7 +69,7 @@ def test_silu_and_mul(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inter", [1152, 100, 7])  # 100, 7: partial vectors at the end of a row
+@pytest.mark.parametrize("inter", [1152, 100, 104, 7])  # 100, 104, 7: partial vectors at the end of a row
 def test_gelu_tanh_and_mul(dtype, inter):
     """GeGLU (Gemma): against float64 arithmetic of the tanh formula and the torch layer."""
     gate_up = (torch.randn(33, 2 * inter, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
@@ -79,6 +79,19 @@ def test_gelu_tanh_and_mul(dtype, inter):
     got = ops.gelu_tanh_and_mul(gate_up)
     torch.testing.assert_close(got, gelu_tanh_and_mul(gate_up), **TOL[dtype])
     torch.testing.assert_close(got.double(), (gelu.to(dtype).double() * up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("name", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_a_bf16_rows_vector_steps_give_the_scalar_steps_bits(name):
+    """A bf16 row's vector steps (on AVX2 16 values at a time, then 8) give, bit for bit, what
+    the same values give in rows of 7, too short for a vector."""
+    gen = torch.Generator().manual_seed(3)
+    gate, up = ((torch.randn(7 * 24, generator=gen) * 4).bfloat16() for _ in range(2))  # 10 x 16 + 8
+    gate[5] = float("nan")
+    op = getattr(ops, name)
+    one_row = op(torch.cat([gate, up]).view(1, -1)).view(-1)
+    rows_of_7 = op(torch.cat([gate.view(-1, 7), up.view(-1, 7)], dim=1)).view(-1)
+    assert torch.equal(one_row.view(torch.int16), rows_of_7.view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -100,7 +100,8 @@ def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
     time.sleep(3)
     kill_tree(first.pid)
     first.communicate()
-    assert list(tmp_path.glob("*/lock")) and not list(tmp_path.glob("*/*.so"))  # killed midway
+    assert list(tmp_path.glob("*/lock")) and not list(tmp_path.glob("*/*.so"))  # killed midway:
+    assert not list(tmp_path.glob("*/norm.o"))  # inside the compile of the object left out
     out, err = finish(start(tmp_path, RUN), timeout=540)
     assert float(out) == pytest.approx(16.0, rel=1e-5)
     assert "building the native kernels for this CPU" in err

@@ -33,6 +33,27 @@ inline __m256 act8(__m256 x, bool gelu) {
   const __m256 e = v8::exp(_mm256_sub_ps(_mm256_setzero_ps(), arg));
   return v8::round_as(T{}, _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
 }
+
+// The vector part of a row: bf16 16 values at a time, the even-indexed and the odd ones in
+// turn (in-order widening and narrowing take lane-crossing shuffles, a large share of the
+// loop); then 8 lanes at a time. Returns where the scalar tail starts.
+template <typename T>
+int64_t act_mul_vectors(const T* g, const T* u, T* o, int64_t inter, bool gelu) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + 16 <= inter; i += 16) {
+      __m256 g_even, g_odd, u_even, u_odd;
+      v8::load_even_odd(g + i, g_even, g_odd);
+      v8::load_even_odd(u + i, u_even, u_odd);
+      v8::store_even_odd(o + i, _mm256_mul_ps(act8<T>(g_even, gelu), u_even),
+                         _mm256_mul_ps(act8<T>(g_odd, gelu), u_odd));
+    }
+  }
+  if constexpr (kVectorised<T>) {
+    for (; i + 8 <= inter; i += 8) v8::store(o + i, _mm256_mul_ps(act8<T>(v8::load(g + i), gelu), v8::load(u + i)));
+  }
+  return i;
+}
 #endif
 
 template <typename T>
@@ -64,21 +85,7 @@ void gated_act_mul_impl(const at::Tensor& gate_up, at::Tensor& out, bool gelu) {
 #endif
       int64_t i = 0;
 #if defined(TRAVELATOR_VEC8)
-      // bf16: 16 values at a time, the even-indexed and the odd ones in turn (widening and
-      // narrowing them in order would cost more than the activation's arithmetic). Then 8
-      // lanes at a time, then the row's tail by the scalar steps below.
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        for (; i + 16 <= inter; i += 16) {
-          __m256 g_even, g_odd, u_even, u_odd;
-          v8::load_even_odd(g + i, g_even, g_odd);
-          v8::load_even_odd(u + i, u_even, u_odd);
-          v8::store_even_odd(o + i, _mm256_mul_ps(act8<T>(g_even, gelu), u_even),
-                             _mm256_mul_ps(act8<T>(g_odd, gelu), u_odd));
-        }
-      }
-      if constexpr (kVectorised<T>) {
-        for (; i + 8 <= inter; i += 8) v8::store(o + i, _mm256_mul_ps(act8<T>(v8::load(g + i), gelu), v8::load(u + i)));
-      }
+      i = act_mul_vectors(g, u, o, inter, gelu);  // then the row's tail by the scalar steps below
 #endif
       for (; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);

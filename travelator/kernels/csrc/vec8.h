@@ -1,6 +1,6 @@
 // 8-lane float helpers for AVX2 + FMA + F16C CPUs without AVX-512 (vec16.h's counterpart): loads
-// that widen bf16, float16 and int8 to float, bf16 rounding as c10 rounds, and
-// travelator::exp_approx on 8 lanes.
+// that widen bf16, float16 and int8 to float, bf16 rounding as c10 rounds, 16 bf16 values at
+// a time as their even and odd ones (element-wise work), and travelator::exp_approx on 8 lanes.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
@@ -58,8 +58,8 @@ inline __m128i bf16_bits(__m256 v) {
 }
 
 // 16 bf16 values as floats without reordering them across lanes: the even-indexed ones in
-// `even` (lane i holds value 2i) and the odd-indexed ones in `odd`. Two instructions for 16
-// values; store_even_odd puts them back in order. For element-wise work.
+// `even` (lane i holds value 2i) and the odd-indexed ones in `odd`: a shift and a mask, no
+// lane-crossing shuffle; store_even_odd puts them back in order. For element-wise work.
 inline void load_even_odd(const c10::BFloat16* p, __m256& even, __m256& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
