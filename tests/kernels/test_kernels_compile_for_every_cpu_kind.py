@@ -70,7 +70,7 @@ def defined_macros(march: str) -> set[str]:
     return {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
 
 
-def tested_macros() -> set[str]:
+def guard_macros() -> set[str]:
     """The predefined macros the sources' #if and #elif lines test (__AVX2__, __AMX_TILE__, ...)."""
     guards = re.compile(r"^\s*#\s*(?:if|elif)\b.*$", re.M)
     return {macro for path in CSRC.iterdir() if path.suffix in (".cpp", ".h")
@@ -80,7 +80,7 @@ def tested_macros() -> set[str]:
 def native_kind() -> str | None:
     """The kind whose branches a -march=native build compiles: the one that defines the same
     tested macros (None where none does)."""
-    tested = tested_macros()
+    tested = guard_macros()
     native = defined_macros("native") & tested
     return next((kind for kind, march in CPU_KINDS.items() if defined_macros(march) & tested == native), None)
 
@@ -140,7 +140,7 @@ def test_each_kind_takes_branches_of_its_own():
     """The guards are found, and no two kinds define the same tested macros: each kind checks
     branches of its own, and native_kind names at most one."""
     needs_gxx()
-    tested = tested_macros()
+    tested = guard_macros()
     assert {"__AVX2__", "__AVX512F__", "__AMX_TILE__", "__AVXVNNI__"} <= tested
     taken = [frozenset(defined_macros(march) & tested) for march in CPU_KINDS.values()]
     assert len(set(taken)) == len(CPU_KINDS)
