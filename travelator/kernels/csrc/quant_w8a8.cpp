@@ -28,8 +28,9 @@
 // Microkernel: kRows rows of x times 16 output columns (two vectors of 8 int32 lanes, one
 // lane per column, the lane's 4 bytes being 4 consecutive inputs: the packed layout's), so
 // each weight vector loaded is used for kRows rows; 8 accumulators, 2 weight vectors, their
-// |q| (AVX2), the two constants and a broadcast of x fill AVX2's 16 registers. Work items are (tile of 64 columns, chunk of rows),
-// tile-major, over OpenMP threads; within an item the tile (K * 64 bytes) stays in L2.
+// |q| (AVX2), the two constants and a broadcast of x fill AVX2's 16 registers. Work items are
+// (tile of 64 columns, chunk of rows), tile-major, over OpenMP threads; within an item the
+// tile (K * 64 bytes) stays in L2.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
