@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import time
 
 import msgpack
 import pytest
@@ -241,7 +242,16 @@ def msgpack_free_int64s(tokens: list[int]) -> bytes:
     return b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
 
 
-def test_the_replay_buffer_keeps_the_last_batches():
+def test_the_replay_buffer_keeps_the_last_batches(monkeypatch):
+    """Encoding is slowed so that batches still wait in the send queue when the replay request
+    comes: the answer covers every batch numbered before it was asked for."""
+    encode = KVEventBatch.encode
+
+    def slow_encode(self, layout):
+        time.sleep(0.02)
+        return encode(self, layout)
+
+    monkeypatch.setattr(KVEventBatch, "encode", slow_encode)
     llm, pub, replay = make_llm(buffer_steps=3)
     engine = llm.engine
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

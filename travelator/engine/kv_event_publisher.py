@@ -89,20 +89,31 @@ class ZmqEventPublisher:
 
     # ---- the sending thread --------------------------------------------------------
     def _run(self) -> None:
-        topic = self.config.topic.encode()
-        while True:
+        while self._send_queued(wait_s=_POLL_S):
             if self._replay is not None and self._replay.poll(0):
+                # Send what the step thread queued before the request came: a replay then
+                # answers every batch numbered before it was asked for.
+                if not self._send_queued(wait_s=0.0):
+                    return
                 self._answer_replay()
-            try:
-                item = self._queue.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
+
+    def _send_queued(self, wait_s: float) -> bool:
+        """Send every queued batch, waiting up to ``wait_s`` for the first; False at shutdown."""
+        try:
+            item = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return True
+        topic = self.config.topic.encode()
+        while item is not None:
             seq, batch = item
             payload = batch.encode(self.config.wire_layout)
             self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+        return False
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
