@@ -47,9 +47,11 @@ def test_a_dead_builders_lock_file_does_not_stop_the_next_start(tmp_path):
     entry = Path(kernels._cache_root()) / kernels._build_key()
     shutil.copytree(entry, tmp_path / entry.name, ignore=shutil.ignore_patterns("lock", "travelator.lock"))
     (tmp_path / entry.name / "lock").touch()
+    built = {p.name: p.stat().st_mtime_ns for p in (tmp_path / entry.name).glob("*.[os]*")}
     out, err = finish(start(tmp_path, RUN), timeout=120)
     assert float(out) == pytest.approx(16.0, rel=1e-5)
-    assert "building" not in err  # loaded from the cache
+    assert "building" not in err  # loaded from the cache,
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / entry.name).glob("*.[os]*")} == built  # as it was
 
 
 def descendants(pid: int) -> set[int]:
@@ -85,13 +87,13 @@ def kill_tree(pid: int) -> None:
 
 
 def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
-    """A build killed while it compiles: every object but the rms_norm source's already built
-    (the cached build's, as ninja leaves them), so the kill lands in that object's compile
-    (seconds: torch's headers alone take that long to parse) and the next start compiles it
-    alone, then links and runs the kernel it holds."""
+    """A build killed while it compiles: every object but the build unit of rms_norm's source
+    already built (the cached build's, as ninja leaves them), so the kill lands in that unit's
+    compile (seconds: torch's headers alone take that long to parse) and the next start
+    compiles it alone, then links and runs the kernel it holds."""
     entry = Path(kernels._cache_root()) / kernels._build_key()
     shutil.copytree(entry, tmp_path / entry.name,
-                    ignore=shutil.ignore_patterns("lock", "travelator.lock", "*.so", "norm.o"))
+                    ignore=shutil.ignore_patterns("lock", "travelator.lock", "*.so", "unit_rows.o"))
     first = start(tmp_path, "from travelator import kernels; kernels.load()")
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("*/lock")):  # torch's lock: the compile is under way
@@ -101,7 +103,7 @@ def test_a_build_killed_midway_leaves_the_next_start_to_build_and_run(tmp_path):
     kill_tree(first.pid)
     first.communicate()
     assert list(tmp_path.glob("*/lock")) and not list(tmp_path.glob("*/*.so"))  # killed midway:
-    assert not list(tmp_path.glob("*/norm.o"))  # inside the compile of the object left out
+    assert not list(tmp_path.glob("*/unit_rows.o"))  # inside the compile of the object left out
     out, err = finish(start(tmp_path, RUN), timeout=540)
     assert float(out) == pytest.approx(16.0, rel=1e-5)
     assert "building the native kernels for this CPU" in err

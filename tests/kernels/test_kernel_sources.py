@@ -36,9 +36,17 @@ def test_the_layer_stack_reads_the_routes_from_the_header():
 
 
 def test_every_source_is_built_and_in_the_build_key():
-    listed = set(kernels._SOURCES) | set(kernels._HEADERS)
+    listed = set(kernels._UNITS) | set(kernels._SOURCES) | set(kernels._HEADERS)
     assert listed == {p.name for p in CSRC.iterdir() if p.suffix in (".cpp", ".h")}
-    assert all(name.endswith(".cpp") for name in kernels._SOURCES)
+    assert all(name.endswith(".cpp") for name in kernels._SOURCES + kernels._UNITS)
+
+
+def test_each_source_is_compiled_in_one_build_unit():
+    """A unit is a source itself or a file that includes sources: each source in exactly one."""
+    included = [source for unit in kernels._UNITS
+                for source in re.findall(r'^#include "(\w+\.cpp)"$', (CSRC / unit).read_text(), re.M)]
+    included += [unit for unit in kernels._UNITS if unit in kernels._SOURCES]
+    assert sorted(included) == sorted(kernels._SOURCES)
 
 
 def test_no_kernel_source_is_over_the_line_limit():
