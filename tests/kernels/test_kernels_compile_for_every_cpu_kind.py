@@ -8,13 +8,15 @@ only (Zen 3), AVX2 with AVX-VNNI (Intel client cores), AVX-512 without BF16 (Cas
 AVX512-BF16 without AMX (Zen 4/5: gcc 12's cooperlake has the same instruction sets for these
 kernels), and AMX (Sapphire Rapids).
 
-The sources are compiled together, as one file that includes them all, so torch's headers are
-parsed once a target rather than once a source; where that file does not compile, each source
-is compiled alone, so that a name two sources share cannot fail the check. The price: a
-branch for another CPU that leans on an include or a declaration an earlier source brought in
-passes here, though its file alone would not compile there (a native build on that CPU, as
-CI's TRAVELATOR_REQUIRE_NATIVE=1 demands, would fail); compiling each file alone for every
-target took several minutes of CI on two cores.
+The build's units (the files it compiles, two of which include several sources) are compiled
+together, as one file that includes them all, so torch's headers are parsed once a target
+rather than once a unit; where that file does not compile, each unit is compiled alone, as the
+build compiles it, so that a name two units share cannot fail the check (two sources of one
+unit that share a name break the build, and fail it). The price: a branch for another CPU
+that leans on an include or a declaration an earlier unit brought in passes here, though its
+unit alone would not compile there (a native build on that CPU, as CI's
+TRAVELATOR_REQUIRE_NATIVE=1 demands, would fail); compiling each unit alone for every target
+would take about twice as long.
 
 Under TRAVELATOR_REQUIRE_NATIVE=1 (CI) the kind whose branches this machine's own build takes
 (the instruction-set macros the sources test are defined alike under -march=native and its
@@ -43,7 +45,7 @@ CPU_KINDS = {"avx2": "znver3", "avx2-avx-vnni": "alderlake", "avx512": "cascadel
 
 
 def compile_errors(source: Path, march: str) -> str:
-    """The compiler's errors for one source on one target ("" where it compiles)."""
+    """The compiler's errors for one file on one target ("" where it compiles)."""
     includes = [f"-isystem{p}" for p in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]]
     flags = [f for f in kernels._CFLAGS if not f.startswith(("-march", "-O"))]
     cmd = ["g++", "-std=c++20", "-O0", "-c", "-o", "/dev/null", f"-march={march}", *flags, *includes, str(source)]
@@ -52,7 +54,7 @@ def compile_errors(source: Path, march: str) -> str:
 
 
 def sources_errors(sources: list[Path], march: str, workdir: Path) -> dict[str, str]:
-    """Each failing source's errors on one target: all of them in one file first, then, only
+    """Each failing file's errors on one target: all of them in one file first, then, only
     where that fails, one by one (two workers)."""
     together = workdir / f"all-{march}.cpp"
     together.write_text("".join(f'#include "{source}"\n' for source in sources))
@@ -97,10 +99,10 @@ def errors_by_kind(tmp_path_factory) -> dict[str, dict[str, str]]:
     """sources_errors for every kind, two kinds at a time (each compile takes one core)."""
     needs_gxx()
     workdir = tmp_path_factory.mktemp("every_cpu_kind")
-    sources = [CSRC / s for s in kernels._SOURCES]
+    units = [CSRC / unit for unit in kernels._UNITS]
     kinds = [kind for kind in CPU_KINDS if not (REQUIRE_NATIVE and kind == native_kind())]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(kinds, pool.map(lambda kind: sources_errors(sources, CPU_KINDS[kind], workdir), kinds)))
+        return dict(zip(kinds, pool.map(lambda kind: sources_errors(units, CPU_KINDS[kind], workdir), kinds)))
 
 
 @pytest.mark.parametrize("kind", sorted(CPU_KINDS))
@@ -112,21 +114,25 @@ def test_every_kernel_source_compiles_for(kind, errors_by_kind):
 
 
 def test_an_intrinsic_outside_its_guard_is_caught(tmp_path):
-    """The check itself fails where it should: an AVX-512 intrinsic in a Zen 3 build, named by
-    its source though it sits beside a clean one."""
+    """The check itself fails where it should: AVX-512 intrinsics in a Zen 3 build, each named
+    by its file though it sits beside a clean one: a function (the inliner refuses it) and a
+    macro over a builtin (code generation refuses it)."""
     needs_gxx()
-    clean, unguarded = tmp_path / "clean.cpp", tmp_path / "unguarded.cpp"
-    clean.write_text("int twice(int v) { return v + v; }\n")
-    unguarded.write_text("#include <immintrin.h>\n"
-                         "__m512 twice(__m512 v) { return _mm512_add_ps(v, v); }\n")
-    failed = sources_errors([clean, unguarded], "znver3", tmp_path)
-    assert list(failed) == ["unguarded.cpp"]
-    assert "target specific option mismatch" in failed["unguarded.cpp"]
-    assert sources_errors([clean, unguarded], "cascadelake", tmp_path) == {}
+    files = {name: tmp_path / f"{name}.cpp" for name in ("clean", "call", "macro")}
+    files["clean"].write_text("int twice(int v) { return v + v; }\n")
+    files["call"].write_text("#include <immintrin.h>\n"
+                             "__m512 twice(__m512 v) { return _mm512_add_ps(v, v); }\n")
+    files["macro"].write_text("#include <immintrin.h>\n"
+                              "__mmask16 below(__m512 v) { return _mm512_cmp_ps_mask(v, v, _CMP_LT_OQ); }\n")
+    failed = sources_errors(list(files.values()), "znver3", tmp_path)
+    assert list(failed) == ["call.cpp", "macro.cpp"]
+    assert "target specific option mismatch" in failed["call.cpp"]
+    assert "needs isa option" in failed["macro.cpp"]
+    assert sources_errors(list(files.values()), "cascadelake", tmp_path) == {}
 
 
-def test_a_name_two_sources_share_does_not_fail_the_check(tmp_path):
-    """Sources that compile alone pass, though together they would define a name twice."""
+def test_a_name_two_units_share_does_not_fail_the_check(tmp_path):
+    """Units that compile alone pass, though together they would define a name twice."""
     needs_gxx()
     for name in ("one.cpp", "two.cpp"):
         (tmp_path / name).write_text("namespace { int twice(int v) { return v + v; } }\n"

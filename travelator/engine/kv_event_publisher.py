@@ -89,31 +89,34 @@ class ZmqEventPublisher:
 
     # ---- the sending thread --------------------------------------------------------
     def _run(self) -> None:
-        while self._send_queued(wait_s=_POLL_S):
+        alive = True
+        while alive:
+            alive = self._send_queued(wait_s=_POLL_S, at_most=max(1, self._queue.qsize()))
             if self._replay is not None and self._replay.poll(0):
-                # Send what the step thread queued before the request came: a replay then
-                # answers every batch numbered before it was asked for.
-                if not self._send_queued(wait_s=0.0):
-                    return
+                # What the step thread queued before the request came is sent first (no more:
+                # a busy engine would keep it waiting), so a replay answers every batch
+                # numbered before it was asked for.
+                alive = alive and self._send_queued(wait_s=0.0, at_most=self._queue.qsize())
                 self._answer_replay()
 
-    def _send_queued(self, wait_s: float) -> bool:
-        """Send every queued batch, waiting up to ``wait_s`` for the first; False at shutdown."""
-        try:
-            item = self._queue.get(timeout=wait_s) if wait_s > 0 else self._queue.get_nowait()
-        except queue.Empty:
-            return True
+    def _send_queued(self, wait_s: float, at_most: int) -> bool:
+        """Send up to ``at_most`` queued batches (so that replay requests are looked at between
+        them), waiting up to ``wait_s`` for the first; False once the shutdown mark is taken."""
         topic = self.config.topic.encode()
-        while item is not None:
+        sent = 0
+        while sent < at_most:
+            try:
+                item = self._queue.get(timeout=wait_s) if sent == 0 and wait_s > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
             seq, batch = item
             payload = batch.encode(self.config.wire_layout)
             self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return True
-        return False
+            sent += 1
+        return True
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
