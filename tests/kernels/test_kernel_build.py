@@ -41,17 +41,22 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     return out, err
 
 
+def build_outputs(entry: Path) -> dict[str, int]:
+    """The entry's objects and library, each with its modification time."""
+    return {p.name: p.stat().st_mtime_ns for p in entry.glob("*.[os]*")}
+
+
 def test_a_dead_builders_lock_file_does_not_stop_the_next_start(tmp_path):
     """The cached build, with torch's lock file left in it as a killed builder leaves it: the
     next start loads the kernels at once instead of waiting on the file for ever."""
     entry = Path(kernels._cache_root()) / kernels._build_key()
     shutil.copytree(entry, tmp_path / entry.name, ignore=shutil.ignore_patterns("lock", "travelator.lock"))
     (tmp_path / entry.name / "lock").touch()
-    built = {p.name: p.stat().st_mtime_ns for p in (tmp_path / entry.name).glob("*.[os]*")}
+    built = build_outputs(tmp_path / entry.name)
     out, err = finish(start(tmp_path, RUN), timeout=120)
     assert float(out) == pytest.approx(16.0, rel=1e-5)
     assert "building" not in err  # loaded from the cache,
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / entry.name).glob("*.[os]*")} == built  # as it was
+    assert build_outputs(tmp_path / entry.name) == built  # nothing compiled or linked again
 
 
 def descendants(pid: int) -> set[int]:
