@@ -60,11 +60,32 @@ inline __m256 sums8(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Ask for the lines of a cache row of kBytes from p (an int8 cache's row need not start on a
+// line, so its last byte's line too).
+template <typename cache_t, int64_t kBytes>
+inline void prefetch_cache_row(const cache_t* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+#pragma GCC unroll 8
+  for (int64_t o = 0; o < kBytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  if constexpr (std::is_same_v<cache_t, int8_t>) _mm_prefetch(c + kBytes - 1, _MM_HINT_T0);
+}
+
+// The rows of the next chunk of keys of the same KV head (null where there is none), asked
+// for one key and value row a key while this chunk's scores are computed: a request's
+// blocks lie anywhere in the pool, so the hardware's prefetchers, which follow addresses
+// in order, stall on each block. One row at a time: a whole chunk at once fills the
+// line-fill buffers and stalls the core.
+template <typename cache_t>
+struct NextChunk {
+  const cache_t* k[kRowKeyChunk];
+  const cache_t* v[kRowKeyChunk];
+};
+
 // s[r][j] = q_r . k_j * kscale[j] for keys j of [j0, n) (q in lane order, already scaled), in
 // groups of 8 keys aligned to the chunk: a key outside [j0, n) is never read.
 template <typename cache_t, int64_t kChunks16, int64_t NR>
 inline void scores(const float* const (&q)[NR], const cache_t* const* krows, const float* kscale, int64_t j0,
-                   int64_t n, float* const (&s)[NR]) {
+                   int64_t n, float* const (&s)[NR], const NextChunk<cache_t>* next) {
   for (int64_t g0 = j0 / 8 * 8; g0 < n; g0 += 8) {
     __m256 dots[NR][8];
     for (int64_t jj = 0; jj < 8; ++jj) {
@@ -75,6 +96,10 @@ inline void scores(const float* const (&q)[NR], const cache_t* const* krows, con
         continue;
       }
       __m256 d0[NR], d1[NR], a, b;
+      if (next != nullptr && next->k[j] != nullptr) {
+        constexpr int64_t kBytes = row_width<cache_t>(16 * kChunks16) * static_cast<int64_t>(sizeof(cache_t));
+        prefetch_cache_row<cache_t, kBytes>(next->k[j]), prefetch_cache_row<cache_t, kBytes>(next->v[j]);
+      }
       load16(krows[j], a, b);
 #pragma GCC unroll 4
       for (int64_t r = 0; r < NR; ++r)
@@ -161,7 +186,8 @@ inline void pv_rows(float* const (&acc)[NR], const float* const (&p)[NR], const 
 // one chunk: their scores, softmax updates and p.V.
 template <typename cache_t, int64_t D, int64_t NR>
 inline void attend_rows(int64_t row0, float* qf, float* acc, float* m, float* l, float* s, const cache_t* const* krows,
-                        const cache_t* const* vrows, const float* kscale, const float* vscale, int64_t j0, int64_t n) {
+                        const cache_t* const* vrows, const float* kscale, const float* vscale, int64_t j0, int64_t n,
+                        const NextChunk<cache_t>* next) {
   constexpr int64_t C = kRowKeyChunk;
   constexpr int64_t kPass = std::min<int64_t>(NR == 1 ? 4 : NR == 2 ? 2 : 1, D / 16);  // 16-value chunks a pass
   float* srow[NR];
@@ -170,7 +196,7 @@ inline void attend_rows(int64_t row0, float* qf, float* acc, float* m, float* l,
   const float* prow[NR];
   for (int64_t r = 0; r < NR; ++r)
     srow[r] = s + r * C, qrow[r] = qf + (row0 + r) * D, arow[r] = acc + (row0 + r) * D, prow[r] = srow[r] + j0;
-  scores<cache_t, D / 16, NR>(qrow, krows, kscale, j0, n, srow);
+  scores<cache_t, D / 16, NR>(qrow, krows, kscale, j0, n, srow, next);
   for (int64_t r = 0; r < NR; ++r)
     softmax_update<cache_t, D>(srow[r], vscale, j0, n, m[row0 + r], l[row0 + r], arow[r]);
   for (int64_t c = 0; c < D; c += 16 * kPass) {
@@ -238,7 +264,8 @@ void write_rows(const WorkItem& w, const ItemRows& it, const float* acc, const f
 template <typename cache_t, int64_t D>
 void attend_chunk(const WorkItem& w, const ItemRows& it, int64_t key0, int64_t valid, int64_t window, int64_t row0,
                   float* qf, float* acc, float* m, float* l, float* s, const cache_t* const* krows,
-                  const cache_t* const* vrows, const float* kscale, const float* vscale) {
+                  const cache_t* const* vrows, const float* kscale, const float* vscale,
+                  const NextChunk<cache_t>* next) {
   for (int64_t query = 0; query < w.num_queries; ++query) {
     // Its rows see keys key0 + j0 .. key0 + n_valid - 1 of this chunk.
     const int64_t pos = it.first_pos + query;
@@ -248,8 +275,9 @@ void attend_chunk(const WorkItem& w, const ItemRows& it, int64_t key0, int64_t v
     int64_t row = row0 + query * it.group;
     const int64_t end = row + it.group;
     const auto take = [&](auto rows_now) {
-      attend_rows<cache_t, D, rows_now()>(row, qf, acc, m, l, s, krows, vrows, kscale, vscale, j0, n_valid);
+      attend_rows<cache_t, D, rows_now()>(row, qf, acc, m, l, s, krows, vrows, kscale, vscale, j0, n_valid, next);
       row += rows_now();
+      next = nullptr;  // asked for once
     };
     static_assert(kRowBlock == 4, "the blocks below are of 4, 2 and 1 rows");
     while (row + 4 <= end) take(std::integral_constant<int64_t, 4>{});
@@ -286,8 +314,15 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
   const cache_t* krows[C];
   const cache_t* vrows[C];
   float kscale[C] = {}, vscale[C] = {};  // lanes of keys outside a row's range are read, times 0
+  NextChunk<cache_t> next;
   const auto attend = [&](int64_t h, int64_t key0) {
     const int64_t valid = std::min(C, it.n_keys - key0);
+    std::fill(next.k, next.k + C, nullptr);
+    for_row_runs(table, h, num_kv_heads, block_size, kRow, key0 + C, 0, std::min(C, it.n_keys - key0 - C),
+                 [&](int64_t j, int64_t offset, int64_t n) {
+                   for (int64_t t = 0; t < n; ++t)
+                     next.k[j + t] = k_cache + offset + t * kRow, next.v[j + t] = v_cache + offset + t * kRow;
+                 });
     for_row_runs(table, h, num_kv_heads, block_size, kRow, key0, std::max<int64_t>(0, it.key_begin - key0), valid,
                  [&](int64_t j, int64_t offset, int64_t n) {
                    for (int64_t t = 0; t < n; ++t) {
@@ -296,7 +331,7 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
                    }
                  });
     attend_chunk<cache_t, D>(w, it, key0, valid, window, (h - w.first_head) * it.rows_per_head, qf.data(),
-                             acc.data(), m.data(), l.data(), s.data(), krows, vrows, kscale, vscale);
+                             acc.data(), m.data(), l.data(), s.data(), krows, vrows, kscale, vscale, &next);
   };
   const int64_t key_first = it.key_begin / C * C;
   if (w.num_queries <= kHeadsSideBySideQueries) {
