@@ -36,9 +36,9 @@ _SOURCES = ("paged_attention.cpp", "norm.cpp", "activation.cpp", "rope.cpp", "kv
             "small_m_linear.cpp", "blocked_linear.cpp", "quant_linear.cpp", "quant_dequantize.cpp",
             "quant_w8a8.cpp", "layer_stack.cpp", "moe_experts.cpp", "panel_linear.cpp")
 _HEADERS = ("amx_tiles.h", "attention_avx2.h", "attention_avx512.h", "attention_common.h", "attention_flash.h",
-            "attention_portable.h", "attention_tiled_bf16.h", "attention_tiles_amx.h", "float_math.h", "kv_layout.h",
-            "linear_route.h", "quant_common.h", "quant_tiles_avx2.h", "quant_tiles_avx512.h", "row_common.h", "small_m_tiles.h",
-            "streaming_linear.h", "vec16.h", "vec8.h")
+            "attention_portable.h", "attention_tiled_bf16.h", "attention_tiles_amx.h", "dynamic_split.h",
+            "float_math.h", "kv_layout.h", "linear_route.h", "quant_common.h", "quant_tiles_avx2.h",
+            "quant_tiles_avx512.h", "row_common.h", "small_m_tiles.h", "streaming_linear.h", "vec16.h", "vec8.h")
 _CSRC = Path(__file__).parent / "csrc"
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers (its parallel backend
 # here); without the flag it compiles to a serial loop and every kernel runs on one thread.

@@ -20,6 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "dynamic_split.h"
 #include "vec8.h"
 
 #include <algorithm>
@@ -79,6 +80,7 @@ inline void micro_rows(int64_t rows, const float* a, int64_t lda, const B* b, in
 
 // Up to this many rows of x, the weights are streamed (stream_panels) rather than tiled.
 constexpr int64_t kStreamRows = 4;
+constexpr int64_t kStreamPanels = 4;  // the most panels stream_step takes side by side
 constexpr int64_t kAhead = 1024;  // bytes prefetched ahead in each panel's stream
 
 // sums of P panels (consecutive, from `panels`) for M rows of x widened (xw, [M][K]), each
@@ -223,7 +225,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
     const int64_t rows = std::min(tile_rows, M - m0);
     widen(xp + m0 * K, rows * K, xw.data());
-    at::parallel_for(0, N / kCols, 1, [&](int64_t begin, int64_t end) { tile(p, xw.data(), m0, rows, begin, end); });
+    // Pieces of at least kStreamPanels, which a streamed step reads side by side.
+    travelator::dynamic_split(N / kCols, kStreamPanels, [&](int64_t begin, int64_t end) {
+      tile(p, xw.data(), m0, rows, begin, end);
+    });
   }
   return y;
 }

@@ -277,7 +277,7 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, cons
                      has_bias ? bias->data_ptr<float>() : nullptr, K_padded, N};
     const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    travelator::dynamic_split(n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t tile = i / chunks, m0 = (i % chunks) * kChunkRows;
         run_item(o, tile, m0, std::min(M, m0 + kChunkRows), yp);

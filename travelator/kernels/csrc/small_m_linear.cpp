@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "dynamic_split.h"
 #include "small_m_tiles.h"
 
 #include <vector>
@@ -40,7 +41,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& w) {
   auto* yp = y.data_ptr<c10::BFloat16>();
   std::vector<sm::XRow> xr(M * K);
   sm::widen(x.data_ptr<c10::BFloat16>(), xr.data(), M * K);
-  at::parallel_for(0, (N + sm::kChunk - 1) / sm::kChunk, 1, [&](int64_t begin, int64_t end) {
+  travelator::dynamic_split((N + sm::kChunk - 1) / sm::kChunk, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) sm::chunk(xr.data(), wp, yp, M, K, N, c);
   });
   return y;
