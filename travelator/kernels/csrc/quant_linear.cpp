@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dynamic_split.h"
 #include "quant_common.h"
 #include "quant_tiles_avx2.h"
 #include "quant_tiles_avx512.h"
@@ -60,7 +61,8 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn til
   if (M == 0) return y;
   auto* yp = y.data_ptr<scalar_t>();
   const int64_t tile_out = M * kTileRows;
-  at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+  // Pieces of at least two tiles, which one row takes side by side.
+  travelator::dynamic_split(n_tiles, 2, [&](int64_t begin, int64_t end) {
     std::vector<float> out_rows(2 * tile_out);
     float* out = out_rows.data();
     for (int64_t t = begin; t < end;) {
