@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "dynamic_split.h"
 #include "small_m_tiles.h"
 #include "streaming_linear.h"
 
@@ -45,7 +46,7 @@ struct Group {
 void pass(const std::vector<Group>& groups, const std::vector<sm::XRow>& x, const std::vector<at::Tensor>& weights,
           c10::BFloat16* y, int64_t K, int64_t N) {
   const int64_t chunks = (N + sm::kChunk - 1) / sm::kChunk;
-  at::parallel_for(0, static_cast<int64_t>(groups.size()) * chunks, 1, [&](int64_t begin, int64_t end) {
+  travelator::dynamic_split(static_cast<int64_t>(groups.size()) * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const Group& g = groups[task / chunks];
       const auto* w = weights[g.expert].data_ptr<c10::BFloat16>();
