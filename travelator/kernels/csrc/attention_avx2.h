@@ -60,21 +60,12 @@ inline __m256 sums8(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// Ask for the lines of a cache row of kBytes from p (an int8 cache's row need not start on a
-// line, so its last byte's line too).
-template <typename cache_t, int64_t kBytes>
-inline void prefetch_cache_row(const cache_t* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-#pragma GCC unroll 8
-  for (int64_t o = 0; o < kBytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-  if constexpr (std::is_same_v<cache_t, int8_t>) _mm_prefetch(c + kBytes - 1, _MM_HINT_T0);
-}
-
 // The rows of the next chunk of keys of the same KV head (null where there is none), asked
-// for one key and value row a key while this chunk's scores are computed: a request's
-// blocks lie anywhere in the pool, so the hardware's prefetchers, which follow addresses
-// in order, stall on each block. One row at a time: a whole chunk at once fills the
-// line-fill buffers and stalls the core.
+// for (into L2: a chunk of wide heads' rows would fill L1) one key and value row a key while
+// this chunk's scores are computed: a request's blocks lie anywhere in the pool, and the
+// hardware's prefetchers, which follow addresses in order, stall at each block. Only the
+// rows of keys the chunk's first rows score are asked for: with a sliding window, those
+// before its first visible key are not.
 template <typename cache_t>
 struct NextChunk {
   const cache_t* k[kRowKeyChunk];
@@ -82,7 +73,8 @@ struct NextChunk {
 };
 
 // s[r][j] = q_r . k_j * kscale[j] for keys j of [j0, n) (q in lane order, already scaled), in
-// groups of 8 keys aligned to the chunk: a key outside [j0, n) is never read.
+// groups of 8 keys aligned to the chunk: a key outside [j0, n) is never read. With `next`,
+// key j's rows of the next chunk are asked for with it.
 template <typename cache_t, int64_t kChunks16, int64_t NR>
 inline void scores(const float* const (&q)[NR], const cache_t* const* krows, const float* kscale, int64_t j0,
                    int64_t n, float* const (&s)[NR], const NextChunk<cache_t>* next) {
@@ -98,7 +90,7 @@ inline void scores(const float* const (&q)[NR], const cache_t* const* krows, con
       __m256 d0[NR], d1[NR], a, b;
       if (next != nullptr && next->k[j] != nullptr) {
         constexpr int64_t kBytes = row_width<cache_t>(16 * kChunks16) * static_cast<int64_t>(sizeof(cache_t));
-        prefetch_cache_row<cache_t, kBytes>(next->k[j]), prefetch_cache_row<cache_t, kBytes>(next->v[j]);
+        prefetch_row<1>(next->k[j], kBytes), prefetch_row<1>(next->v[j], kBytes);
       }
       load16(krows[j], a, b);
 #pragma GCC unroll 4
@@ -218,6 +210,19 @@ inline void for_row_runs(const int64_t* table, int64_t kv_head, int64_t num_kv_h
   }
 }
 
+// The rows of KV head h from key next0 on, a chunk's worth (null past the last key n_keys).
+template <typename cache_t>
+inline void next_chunk_rows(const int64_t* table, int64_t h, int64_t num_kv_heads, int64_t bs, int64_t row_elems,
+                            int64_t next0, int64_t n_keys, const cache_t* k_cache, const cache_t* v_cache,
+                            NextChunk<cache_t>& next) {
+  std::fill(next.k, next.k + kRowKeyChunk, nullptr);
+  for_row_runs(table, h, num_kv_heads, bs, row_elems, next0, 0, std::min(kRowKeyChunk, n_keys - next0),
+               [&](int64_t j, int64_t offset, int64_t n) {
+                 for (int64_t t = 0; t < n; ++t)
+                   next.k[j + t] = k_cache + offset + t * row_elems, next.v[j + t] = v_cache + offset + t * row_elems;
+               });
+}
+
 // Where one work item's rows lie: per KV head of the item, its queries' rows (a query's
 // query heads together), each with its own q (lane order, scaled), softmax state and
 // accumulator.
@@ -317,12 +322,7 @@ void attend_item_avx2(const WorkItem& w, const scalar_t* q, const cache_t* k_cac
   NextChunk<cache_t> next;
   const auto attend = [&](int64_t h, int64_t key0) {
     const int64_t valid = std::min(C, it.n_keys - key0);
-    std::fill(next.k, next.k + C, nullptr);
-    for_row_runs(table, h, num_kv_heads, block_size, kRow, key0 + C, 0, std::min(C, it.n_keys - key0 - C),
-                 [&](int64_t j, int64_t offset, int64_t n) {
-                   for (int64_t t = 0; t < n; ++t)
-                     next.k[j + t] = k_cache + offset + t * kRow, next.v[j + t] = v_cache + offset + t * kRow;
-                 });
+    next_chunk_rows(table, h, num_kv_heads, block_size, kRow, key0 + C, it.n_keys, k_cache, v_cache, next);
     for_row_runs(table, h, num_kv_heads, block_size, kRow, key0, std::max<int64_t>(0, it.key_begin - key0), valid,
                  [&](int64_t j, int64_t offset, int64_t n) {
                    for (int64_t t = 0; t < n; ++t) {

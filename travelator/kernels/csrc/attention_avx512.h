@@ -56,18 +56,6 @@ inline __m512 transpose_sum16(const __m512* v) {
 // rows held in registers while each V row is converted once for all of them.
 constexpr int64_t kKeyChunk = 256;
 
-// Ask for the lines of one cache row of `bytes` bytes at p (T0: into L1, else L2), from the
-// line it starts in (int8 rows of head_dim + 4 bytes are not line-aligned). The
-// kernels issue these one row at a time between their arithmetic: a burst of a whole
-// block's lines fills the line-fill buffers and stalls the core until it has arrived.
-template <int kHint>
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* end = static_cast<const char*>(p) + bytes;
-  for (const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(63));
-       line < end; line += 64)
-    _mm_prefetch(line, kHint == 0 ? _MM_HINT_T0 : _MM_HINT_T1);
-}
-
 #if defined(__AVX512BF16__)
 // Scores of one bf16 query row against 16 bf16 key rows (pairs of head_dim lanes).
 template <int64_t kChunks>

@@ -48,6 +48,18 @@ inline float softmax_denominator(float l, float m, const float* sinks, int64_t h
   return sinks == nullptr ? l : l + std::exp(sinks[head] - m);
 }
 
+// Ask for the lines of one cache row of `bytes` bytes at p (kHint 0: into L1, else L2), from
+// the line it starts in (int8 rows of head_dim + 4 bytes are not line-aligned). The
+// kernels issue these one row at a time between their arithmetic: a burst of a whole
+// block's lines fills the line-fill buffers and stalls the core until it has arrived.
+template <int kHint>
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* end = static_cast<const char*>(p) + bytes;
+  for (const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(63));
+       line < end; line += 64)
+    __builtin_prefetch(line, 0, kHint == 0 ? 3 : 2);  // prefetcht0, prefetcht1
+}
+
 struct WorkItem {
   int64_t request;
   int64_t first_query;  // within the request's chunk

@@ -225,8 +225,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
     const int64_t rows = std::min(tile_rows, M - m0);
     widen(xp + m0 * K, rows * K, xw.data());
-    // Pieces of at least kStreamPanels, which a streamed step reads side by side.
-    travelator::dynamic_split(N / kCols, kStreamPanels, [&](int64_t begin, int64_t end) {
+    // A streamed step of one or two rows reads 4 / rows panels side by side.
+    const int64_t side_by_side = rows > kStreamRows ? 1 : std::max<int64_t>(1, kStreamPanels / rows);
+    travelator::dynamic_split(N / kCols, side_by_side, [&](int64_t begin, int64_t end) {
       tile(p, xw.data(), m0, rows, begin, end);
     });
   }

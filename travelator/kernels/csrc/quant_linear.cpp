@@ -61,8 +61,8 @@ at::Tensor run_tiles(const at::Tensor& x, int64_t N, int64_t n_tiles, TileFn til
   if (M == 0) return y;
   auto* yp = y.data_ptr<scalar_t>();
   const int64_t tile_out = M * kTileRows;
-  // Pieces of at least two tiles, which one row takes side by side.
-  travelator::dynamic_split(n_tiles, 2, [&](int64_t begin, int64_t end) {
+  // Where one row takes two tiles side by side, pieces of whole pairs.
+  travelator::dynamic_split(n_tiles, kPairTiles && M == 1 ? 2 : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> out_rows(2 * tile_out);
     float* out = out_rows.data();
     for (int64_t t = begin; t < end;) {

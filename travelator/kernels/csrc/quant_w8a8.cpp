@@ -277,7 +277,10 @@ at::Tensor quant_linear_w8a8(const at::Tensor& x, const at::Tensor& packed, cons
                      has_bias ? bias->data_ptr<float>() : nullptr, K_padded, N};
     const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
     scalar_t* yp = y.data_ptr<scalar_t>();
-    travelator::dynamic_split(n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    // Items are tile-major: with tiles enough for every thread, pieces of whole tiles, so that
+    // a tile's rows of x run on one thread and the tile is read into one L2.
+    const bool whole_tiles = n_tiles >= 8 * at::get_num_threads();
+    travelator::dynamic_split(n_tiles * chunks, whole_tiles ? chunks : 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t tile = i / chunks, m0 = (i % chunks) * kChunkRows;
         run_item(o, tile, m0, std::min(M, m0 + kChunkRows), yp);
