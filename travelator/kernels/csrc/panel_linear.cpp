@@ -123,8 +123,8 @@ void stream_panels(const float* xw, int64_t K, const c10::BFloat16* panels, floa
 }
 
 // Panels side by side for `rows` rows: as many as the 16 registers hold sums for (4 for one
-// row, 2 for two; rows x panels <= 4), fewer at the end of a thread's range (one row: all that
-// are left, so that more chains stay in flight). Returns how many it took.
+// row, 2 for two; rows x panels <= 4), fewer at the end of a piece of the split (one row:
+// all that are left, so that more chains stay in flight). Returns how many it took.
 int64_t stream_step(int64_t rows, const float* xw, int64_t K, const c10::BFloat16* panels, int64_t left,
                     float* out) {
   switch (rows) {
