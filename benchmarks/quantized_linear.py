@@ -79,12 +79,13 @@ def main() -> None:
         ops: TorchOps = NativeOps()
     except Exception:  # noqa: BLE001 - no compiler here: torch's own bf16 path
         ops = TorchOps()
-    ops.prepare(weights)
+    int8 = [quantize(w, "int8") for w in weights]
+    int4 = [quantize(w, "int4", args.group_size) for w in weights]
+    # As the engine prepares a model: every weight, for bf16 activations.
+    ops.prepare(weights + int8 + int4, torch.bfloat16)
     if args.quant_kernel_rows is not None:
         ops.quant_kernel_rows = args.quant_kernel_rows
     w8a8_rows = getattr(ops, "w8a8_rows", 0)
-    int8 = [quantize(w, "int8") for w in weights]
-    int4 = [quantize(w, "int4", args.group_size) for w in weights]
     kinds = {
         "bf16": (weights, ops.linear),
         "int8": (int8, with_w8a8(ops, 0)),
