@@ -4,8 +4,10 @@ bf16, int8 and int4 run the engine's own path (``NativeOps.linear``). bf16: the 
 kernel ``small_m_linear`` up to 4 rows, oneDNN's pre-packed GEMM above (AMX /
 AVX-512 bf16, or float32 on widened weights where there is no bf16 GEMM). int8 and int4: the
 engine's integer kernel (``csrc/quant_linear.cpp``) up to ``NativeOps.quant_kernel_rows`` rows
-(32, or 256 without a bf16 GEMM; ``--quant-kernel-rows`` overrides it), above that the weight
-dequantized into a kept buffer and the GEMM. "W8A8": int8 weights through the W8A8 kernel
+(printed in the header; ``--quant-kernel-rows`` overrides it), above that, where there is a bf16
+GEMM, the GEMM on a bf16 copy of the weight kept since ``prepare`` (as the engine keeps one at
+its default ``quantized_gemm_copies="auto"``: then the kernel takes up to 8 or 16 rows), else the
+weight dequantized at every call and the GEMM. "W8A8": int8 weights through the W8A8 kernel
 (``csrc/quant_w8a8.cpp``, x quantized per row to int8) from ``NativeOps.w8a8_rows`` rows, where
 it is on (CPUs without a bf16 GEMM); "int8" is then the same route with it off, the weight-only
 kernel and the dequantizing path. "torch int8" and "torch int4" are
@@ -86,6 +88,9 @@ def main() -> None:
     if args.quant_kernel_rows is not None:
         ops.quant_kernel_rows = args.quant_kernel_rows
     w8a8_rows = getattr(ops, "w8a8_rows", 0)
+    w8a8 = f"from {w8a8_rows} rows" if w8a8_rows else "off"
+    print(f"int8/int4: the integer kernel up to {getattr(ops, 'quant_kernel_rows', 0)} rows; W8A8 {w8a8}",
+          flush=True)
     kinds = {
         "bf16": (weights, ops.linear),
         "int8": (int8, with_w8a8(ops, 0)),
