@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,12 @@ needs_smollm2 = pytest.mark.skipif(
 
 # CI also sets this: the native CPU kernels must build there, so their tests never skip.
 REQUIRE_NATIVE = os.environ.get("TRAVELATOR_REQUIRE_NATIVE") == "1"
+
+
+def load_script(name: str, path: Path):
+    """A script that is not a package's module (benchmarks/, ../shared/peers), imported as `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module

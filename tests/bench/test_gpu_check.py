@@ -4,26 +4,17 @@ transformers' time, and one section run on the CPU at the smoke run's tiny shape
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from paths import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS_W = REPO.parent / "shared" / "peers" / "workload_w.py"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+gc = load_script("gpu_check", REPO / "benchmarks" / "gpu_check.py")
 
 
 def test_workload_w_is_the_documented_recipe():
@@ -33,7 +24,7 @@ def test_workload_w_is_the_documented_recipe():
     assert all(100 <= t <= 30000 for p, _ in work for t in p)
     assert gc.workload_w(0, 512)[:64] == work  # scaled up: the same first requests
     if PEERS_W.is_file():
-        assert work == _load("peers_workload_w", PEERS_W).workload_w(0, 64)
+        assert work == load_script("peers_workload_w", PEERS_W).workload_w(0, 64)
 
 
 def test_verdicts_and_table():

@@ -4,20 +4,13 @@ its row counts reach past the integer kernel's (the GEMM on a kept copy, where t
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
+from paths import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 ROWS = ["1", "8", "32"]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("quantized_linear_script",
-                                                  REPO / "benchmarks" / "quantized_linear.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 def test_the_script_prints_a_row_for_every_row_count(monkeypatch, capsys):
@@ -25,7 +18,7 @@ def test_the_script_prints_a_row_for_every_row_count(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["quantized_linear.py", "--out-features", "128", "--in-features", "256",
                                       "--rows", *ROWS, "--copies", "1", "--repeats", "1",
                                       "--no-torch-kernels"])
-    _load_script().main()
+    load_script("quantized_linear_script", REPO / "benchmarks" / "quantized_linear.py").main()
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rows"])
     words = lines[header].split()
