@@ -88,9 +88,10 @@ def main() -> None:
     if args.quant_kernel_rows is not None:
         ops.quant_kernel_rows = args.quant_kernel_rows
     w8a8_rows = getattr(ops, "w8a8_rows", 0)
+    kernel_rows = getattr(ops, "quant_kernel_rows", 0)  # torch's ops: always dequantized
+    kernel = f"up to {kernel_rows} rows" if kernel_rows else "off"
     w8a8 = f"from {w8a8_rows} rows" if w8a8_rows else "off"
-    print(f"int8/int4: the integer kernel up to {getattr(ops, 'quant_kernel_rows', 0)} rows; W8A8 {w8a8}",
-          flush=True)
+    print(f"int8/int4: the integer kernel {kernel}; W8A8 {w8a8}", flush=True)
     kinds = {
         "bf16": (weights, ops.linear),
         "int8": (int8, with_w8a8(ops, 0)),
